@@ -1,0 +1,226 @@
+//! A synchronous CARv1 slice reader: the `blocks` of a commit are already in memory, so
+//! blocks are returned as borrowed `(cid, data)` pairs with every length bounds-checked.
+
+use crate::cbor::Reader;
+use crate::cid::{self, Cid};
+use crate::error::DecodeError;
+
+fn car_err(what: impl Into<String>) -> DecodeError {
+    DecodeError::Car(what.into())
+}
+
+/// A parsed CARv1: the header's roots and an index of its blocks.
+#[derive(Debug)]
+pub struct Car<'a> {
+    /// The roots named by the header.
+    pub roots: Vec<Cid<'a>>,
+    /// Blocks in file order.
+    blocks: Vec<(Cid<'a>, &'a [u8])>,
+    /// True once `blocks` is sorted by CID for binary search.
+    sorted: bool,
+}
+
+impl<'a> Car<'a> {
+    /// Parses a CARv1 byte slice: header then every block. With `verify`, every block's
+    /// sha2-256 is checked against its CID.
+    pub fn parse(b: &'a [u8], verify: bool) -> Result<Self, DecodeError> {
+        let (hlen, n) = cid::uvarint(b).map_err(|_| car_err("bad header length varint"))?;
+        let hend = usize::try_from(hlen)
+            .ok()
+            .and_then(|h| n.checked_add(h))
+            .filter(|&e| e <= b.len())
+            .ok_or_else(|| car_err("header length past end"))?;
+        let roots = parse_header(&b[n..hend])?;
+        let mut blocks = Vec::new();
+        let mut at = hend;
+        while at < b.len() {
+            let (len, n) = cid::uvarint(&b[at..]).map_err(|_| car_err("bad block length varint"))?;
+            let start = at + n;
+            let end = usize::try_from(len)
+                .ok()
+                .and_then(|l| start.checked_add(l))
+                .filter(|&e| e <= b.len())
+                .ok_or_else(|| car_err(format!("block at byte {at} runs past end")))?;
+            let section = &b[start..end];
+            let clen = cid::prefix_len(section).map_err(|source| DecodeError::Cid { field: "CAR block", source })?;
+            let (c, data) = section.split_at(clen);
+            let c = Cid::from_bytes(c).map_err(|source| DecodeError::Cid { field: "CAR block", source })?;
+            if verify {
+                verify_block(c, data)?;
+            }
+            blocks.push((c, data));
+            at = end;
+        }
+        Ok(Self { roots, blocks, sorted: false })
+    }
+
+    /// Number of blocks.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// True if the CAR has no blocks.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Prepares for many look-ups: below a handful of blocks a scan is faster than sorting.
+    pub fn index(&mut self) {
+        if !self.sorted && self.blocks.len() > 8 {
+            self.blocks.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            self.sorted = true;
+        }
+    }
+
+    /// The data of the block with this CID, if present.
+    #[must_use]
+    pub fn get(&self, c: Cid<'_>) -> Option<&'a [u8]> {
+        if self.sorted {
+            self.blocks
+                .binary_search_by(|(k, _)| k.as_bytes().cmp(c.as_bytes()))
+                .ok()
+                .map(|i| self.blocks[i].1)
+        } else {
+            self.blocks.iter().find(|(k, _)| k.as_bytes() == c.as_bytes()).map(|(_, d)| *d)
+        }
+    }
+
+    /// Iterates over the blocks (in file order unless [`Car::index`] sorted them).
+    pub fn blocks(&self) -> impl Iterator<Item = (Cid<'a>, &'a [u8])> + '_ {
+        self.blocks.iter().copied()
+    }
+}
+
+fn parse_header(b: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
+    let cb = |source| DecodeError::Cbor { part: "car header", source };
+    let mut r = Reader::new(b);
+    let n = r.map().map_err(cb)?;
+    let mut roots = None;
+    let mut version = None;
+    let mut prev = None;
+    for _ in 0..n {
+        let k = r.key(prev).map_err(cb)?;
+        prev = Some(k);
+        match k {
+            "roots" => {
+                let len = r.array().map_err(cb)?;
+                let mut v = Vec::with_capacity(len.min(16) as usize);
+                for _ in 0..len {
+                    let c = r.link().map_err(cb)?;
+                    v.push(Cid::from_bytes(c).map_err(|source| DecodeError::Cid { field: "CAR root", source })?);
+                }
+                roots = Some(v);
+            }
+            "version" => version = Some(r.u64().map_err(cb)?),
+            _ => r.skip().map_err(cb)?,
+        }
+    }
+    r.end().map_err(cb)?;
+    match version {
+        Some(1) => {}
+        Some(v) => return Err(car_err(format!("CAR version {v} is not 1"))),
+        None => return Err(car_err("CAR header without version")),
+    }
+    roots.ok_or_else(|| car_err("CAR header without roots"))
+}
+
+fn verify_block(c: Cid<'_>, data: &[u8]) -> Result<(), DecodeError> {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(data);
+    let bytes = c.as_bytes();
+    if bytes[bytes.len() - 32..] == digest[..] {
+        Ok(())
+    } else {
+        Err(car_err(format!("block {c} does not hash to its CID")))
+    }
+}
+
+/// Builds a CARv1 from blocks, computing each block's CID (dag-cbor, sha2-256). For tests,
+/// benches and `relay-sim`.
+#[must_use]
+pub fn build(roots: &[Vec<u8>], blocks: &[Vec<u8>]) -> Vec<u8> {
+    let mut h = crate::cbor::Writer::new();
+    h.map(2).str("roots").array(roots.len() as u64);
+    for r in roots {
+        h.link(r);
+    }
+    h.str("version").int(1);
+    let mut out = Vec::new();
+    push_varint(&mut out, h.buf.len() as u64);
+    out.extend_from_slice(&h.buf);
+    for b in blocks {
+        let c = cid_for(b);
+        push_varint(&mut out, (c.len() + b.len()) as u64);
+        out.extend_from_slice(&c);
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// The dag-cbor sha2-256 CIDv1 bytes of `data`.
+#[must_use]
+pub fn cid_for(data: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    let mut c = vec![1, 0x71, 0x12, 0x20];
+    c.extend_from_slice(&sha2::Sha256::digest(data));
+    c
+}
+
+/// Appends an unsigned LEB128 varint.
+pub fn push_varint(out: &mut Vec<u8>, mut v: u64) {
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(b);
+            return;
+        }
+        out.push(b | 0x80);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(text: &str) -> Vec<u8> {
+        let mut w = crate::cbor::Writer::new();
+        w.map(1).str("text").str(text);
+        w.buf
+    }
+
+    #[test]
+    fn roundtrip_and_lookup() {
+        let blocks: Vec<_> = (0..20).map(|i| rec(&format!("r{i}"))).collect();
+        let car = build(&[cid_for(&blocks[0])], &blocks);
+        let mut c = Car::parse(&car, true).expect("valid car");
+        assert_eq!(c.len(), 20);
+        c.index();
+        for b in &blocks {
+            let id = cid_for(b);
+            assert_eq!(c.get(Cid::from_bytes(&id).expect("cid")), Some(&b[..]));
+        }
+        let missing = cid_for(b"nope");
+        assert_eq!(c.get(Cid::from_bytes(&missing).expect("cid")), None);
+    }
+
+    #[test]
+    fn corrupt_cars_are_errors() {
+        let blocks = vec![rec("a")];
+        let car = build(&[cid_for(&blocks[0])], &blocks);
+        for cut in 0..car.len() {
+            // Every strict prefix but the header-only one is malformed.
+            let r = Car::parse(&car[..cut], false);
+            if r.is_ok() {
+                assert!(cut >= 1 && Car::parse(&car[..cut], false).expect("ok").is_empty());
+            }
+        }
+        let mut tampered = car.clone();
+        let last = tampered.len() - 1;
+        tampered[last] ^= 1;
+        assert!(Car::parse(&tampered, false).is_ok());
+        assert!(matches!(Car::parse(&tampered, true), Err(DecodeError::Car(_))));
+    }
+}

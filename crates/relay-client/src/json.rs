@@ -1,0 +1,237 @@
+//! DAG-CBOR to the atproto JSON data model, written straight into a `String`: CIDs become
+//! `{"$link": "b…"}`, byte strings `{"$bytes": "<base64>"}`, map order is kept.
+//! Also the one-line JSON form of a whole frame that the sinks and the fixture use.
+
+use std::fmt::Write as _;
+
+use crate::car::Car;
+use crate::cbor::{Item, MAX_DEPTH, Reader};
+use crate::cid::{Cid, base64_std};
+use crate::error::DecodeError;
+use crate::frame::{Frame, Message};
+
+/// Appends `s` as a JSON string literal, escaped the way `JSON.stringify` does.
+pub fn write_str(s: &str, out: &mut String) {
+    out.push('"');
+    let bytes = s.as_bytes();
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let esc = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0x08 => "\\b",
+            0x0c => "\\f",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        out.push_str(&s[start..i]);
+        if esc.is_empty() {
+            let _ = write!(out, "\\u{b:04x}");
+        } else {
+            out.push_str(esc);
+        }
+        start = i + 1;
+    }
+    out.push_str(&s[start..]);
+    out.push('"');
+}
+
+fn write_link(cid: &[u8], out: &mut String) {
+    out.push_str("{\"$link\":\"");
+    out.push('b');
+    crate::cid::base32_lower(cid, out);
+    out.push_str("\"}");
+}
+
+/// Appends a whole DAG-CBOR item as JSON. The input must already have been validated
+/// (e.g. by [`crate::frame::Record::new`]); invalid input writes `null` in its place.
+pub fn write_cbor_as_json(cbor: &[u8], out: &mut String) {
+    let mut r = Reader::new(cbor);
+    if write_item(&mut r, out, 0).is_none() {
+        out.push_str("null");
+    }
+}
+
+fn write_item(r: &mut Reader<'_>, out: &mut String, depth: u32) -> Option<()> {
+    if depth > MAX_DEPTH {
+        return None;
+    }
+    match r.item().ok()? {
+        Item::Int(v) => {
+            let _ = write!(out, "{v}");
+        }
+        Item::Float(f) => {
+            let _ = write!(out, "{f}");
+        }
+        Item::Bool(b) => out.push_str(if b { "true" } else { "false" }),
+        Item::Null => out.push_str("null"),
+        Item::Text(s) => write_str(s, out),
+        Item::Bytes(b) => {
+            out.push_str("{\"$bytes\":\"");
+            base64_std(b, out);
+            out.push_str("\"}");
+        }
+        Item::Link(c) => write_link(c, out),
+        Item::Array(n) => {
+            out.push('[');
+            for i in 0..n {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_item(r, out, depth + 1)?;
+            }
+            out.push(']');
+        }
+        Item::Map(n) => {
+            out.push('{');
+            let mut prev = None;
+            for i in 0..n {
+                if i > 0 {
+                    out.push(',');
+                }
+                let k = r.key(prev).ok()?;
+                prev = Some(k);
+                write_str(k, out);
+                out.push(':');
+                write_item(r, out, depth + 1)?;
+            }
+            out.push('}');
+        }
+    }
+    Some(())
+}
+
+fn field_str(out: &mut String, name: &str, v: &str) {
+    out.push_str(",\"");
+    out.push_str(name);
+    out.push_str("\":");
+    write_str(v, out);
+}
+
+fn field_opt_str(out: &mut String, name: &str, v: Option<&str>) {
+    match v {
+        Some(v) => field_str(out, name, v),
+        None => {
+            out.push_str(",\"");
+            out.push_str(name);
+            out.push_str("\":null");
+        }
+    }
+}
+
+fn opt_cid(out: &mut String, c: Option<Cid<'_>>) {
+    match c {
+        Some(c) => {
+            out.push('"');
+            c.write_str(out);
+            out.push('"');
+        }
+        None => out.push_str("null"),
+    }
+}
+
+/// Appends the one-line JSON form of a frame, records included (the shape of the
+/// fixture's `pds-capture.expected.jsonl`). Fails only on record problems (a missing
+/// block, an invalid record or CAR); then nothing meaningful was written.
+pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> Result<(), DecodeError> {
+    let m = match frame {
+        Frame::Error(e) => {
+            out.push_str("{\"op\":-1");
+            field_str(out, "error", e.error);
+            field_opt_str(out, "message", e.message);
+            out.push('}');
+            return Ok(());
+        }
+        Frame::Message(m) => m,
+    };
+    out.push('{');
+    if let Some(seq) = m.seq() {
+        let _ = write!(out, "\"seq\":{seq},");
+    }
+    out.push_str("\"type\":");
+    write_str(m.kind(), out);
+    out.push_str(",\"op\":1");
+    match m {
+        Message::Commit(c) => {
+            field_str(out, "repo", c.repo);
+            field_str(out, "rev", c.rev);
+            field_opt_str(out, "since", c.since);
+            out.push_str(",\"commit\":");
+            opt_cid(out, Some(c.commit));
+            field_str(out, "time", c.time);
+            out.push_str(",\"ops\":[");
+            let car: Option<Car<'_>> = if c.ops.iter().any(|o| o.cid.is_some()) { Some(c.car(verify_blocks)?) } else { None };
+            for (i, op) in c.ops.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str("{\"action\":\"");
+                out.push_str(op.action.as_str());
+                out.push('"');
+                field_str(out, "path", op.path);
+                out.push_str(",\"cid\":");
+                opt_cid(out, op.cid);
+                out.push_str(",\"prev\":");
+                opt_cid(out, op.prev);
+                out.push_str(",\"record\":");
+                match car.as_ref().map(|car| op.record(car)).transpose()?.flatten() {
+                    Some(rec) => rec.write_json(out),
+                    None => out.push_str("null"),
+                }
+                out.push('}');
+            }
+            out.push(']');
+        }
+        Message::Sync(s) => {
+            field_str(out, "did", s.did);
+            field_str(out, "rev", s.rev);
+            field_str(out, "time", s.time);
+        }
+        Message::Identity(i) => {
+            field_str(out, "did", i.did);
+            field_opt_str(out, "handle", i.handle);
+            field_str(out, "time", i.time);
+        }
+        Message::Account(a) => {
+            field_str(out, "did", a.did);
+            out.push_str(if a.active { ",\"active\":true" } else { ",\"active\":false" });
+            field_opt_str(out, "status", a.status);
+            field_str(out, "time", a.time);
+        }
+        Message::Info(i) => {
+            field_str(out, "name", i.name);
+            field_opt_str(out, "message", i.message);
+        }
+        Message::Unknown { .. } => {}
+    }
+    out.push('}');
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cbor::Writer;
+
+    #[test]
+    fn escapes_like_json_stringify() {
+        let mut s = String::new();
+        write_str("a\"b\\c\n\u{1}\u{7f}é\u{2028}", &mut s);
+        assert_eq!(s, "\"a\\\"b\\\\c\\n\\u0001\u{7f}é\u{2028}\"");
+    }
+
+    #[test]
+    fn data_model_mapping() {
+        let cid = crate::car::cid_for(b"x");
+        let mut w = Writer::new();
+        w.map(5).str("a").int(-3).str("b").bytes(b"hi").str("c").link(&cid).str("d").array(2).null().bool(true);
+        w.str("nested").map(1).str("k").str("v");
+        let mut out = String::new();
+        write_cbor_as_json(&w.buf, &mut out);
+        let c = Cid::from_bytes(&cid).expect("cid").to_string();
+        assert_eq!(out, format!(r#"{{"a":-3,"b":{{"$bytes":"aGk"}},"c":{{"$link":"{c}"}},"d":[null,true],"nested":{{"k":"v"}}}}"#));
+    }
+}

@@ -1,0 +1,29 @@
+//! One AT Protocol relay subscription, from URL to records.
+//!
+//! # Layout
+//! - [`relay_url`]: ws/wss URLs, the relay fingerprint, credential redaction.
+//! - [`cbor`]: a strict, borrowing DAG-CBOR reader (and a small canonical writer).
+//! - [`cid`]: atproto CIDs and their string forms.
+//! - [`car`]: a CARv1 slice reader for commit `blocks`.
+//! - [`frame`]: `subscribeRepos` frames decoded into borrowed structs.
+//! - [`json`]: records and frames in the atproto JSON data model.
+//! - [`client`]: the WebSocket connection loop with reconnect, backoff, stall detection
+//!   and primary/secondary failover.
+//!
+//! Nothing here knows about leases or checkpoints: the caller hands in a cursor and
+//! gets frames back, in order, with duplicates dropped.
+
+pub mod backoff;
+pub mod car;
+pub mod cbor;
+pub mod cid;
+pub mod client;
+pub mod error;
+pub mod frame;
+pub mod json;
+pub mod relay_url;
+
+pub use client::{ClientConfig, Item, Notice, OwnedFrame, RelayRole, Subscription};
+pub use error::{CborError, CidError, ConnError, DecodeError, SubscribeError, UrlError};
+pub use frame::{Frame, Message, decode};
+pub use relay_url::RelayUrl;
