@@ -136,7 +136,11 @@ fn opt_cid(out: &mut String, c: Option<Cid<'_>>) {
 /// Appends the one-line JSON form of a frame, records included (the shape of the
 /// fixture's `pds-capture.expected.jsonl`). Fails only on record problems (a missing
 /// block, an invalid record or CAR); then nothing meaningful was written.
-pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> Result<(), DecodeError> {
+pub fn write_frame(
+    frame: &Frame<'_>,
+    verify_blocks: bool,
+    out: &mut String,
+) -> Result<(), DecodeError> {
     let m = match frame {
         Frame::Error(e) => {
             out.push_str("{\"op\":-1");
@@ -163,7 +167,11 @@ pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> 
             opt_cid(out, Some(c.commit));
             field_str(out, "time", c.time);
             out.push_str(",\"ops\":[");
-            let car: Option<Car<'_>> = if c.ops.iter().any(|o| o.cid.is_some()) { Some(c.car(verify_blocks)?) } else { None };
+            let car: Option<Car<'_>> = if c.ops.iter().any(|o| o.cid.is_some()) {
+                Some(c.car(verify_blocks)?)
+            } else {
+                None
+            };
             for (i, op) in c.ops.iter().enumerate() {
                 if i > 0 {
                     out.push(',');
@@ -177,7 +185,12 @@ pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> 
                 out.push_str(",\"prev\":");
                 opt_cid(out, op.prev);
                 out.push_str(",\"record\":");
-                match car.as_ref().map(|car| op.record(car)).transpose()?.flatten() {
+                match car
+                    .as_ref()
+                    .map(|car| op.record(car))
+                    .transpose()?
+                    .flatten()
+                {
                     Some(rec) => rec.write_json(out),
                     None => out.push_str("null"),
                 }
@@ -197,7 +210,11 @@ pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> 
         }
         Message::Account(a) => {
             field_str(out, "did", a.did);
-            out.push_str(if a.active { ",\"active\":true" } else { ",\"active\":false" });
+            out.push_str(if a.active {
+                ",\"active\":true"
+            } else {
+                ",\"active\":false"
+            });
             field_opt_str(out, "status", a.status);
             field_str(out, "time", a.time);
         }
@@ -227,11 +244,26 @@ mod tests {
     fn data_model_mapping() {
         let cid = crate::car::cid_for(b"x");
         let mut w = Writer::new();
-        w.map(5).str("a").int(-3).str("b").bytes(b"hi").str("c").link(&cid).str("d").array(2).null().bool(true);
+        w.map(5)
+            .str("a")
+            .int(-3)
+            .str("b")
+            .bytes(b"hi")
+            .str("c")
+            .link(&cid)
+            .str("d")
+            .array(2)
+            .null()
+            .bool(true);
         w.str("nested").map(1).str("k").str("v");
         let mut out = String::new();
         write_cbor_as_json(&w.buf, &mut out);
         let c = Cid::from_bytes(&cid).expect("cid").to_string();
-        assert_eq!(out, format!(r#"{{"a":-3,"b":{{"$bytes":"aGk"}},"c":{{"$link":"{c}"}},"d":[null,true],"nested":{{"k":"v"}}}}"#));
+        assert_eq!(
+            out,
+            format!(
+                r#"{{"a":-3,"b":{{"$bytes":"aGk"}},"c":{{"$link":"{c}"}},"d":[null,true],"nested":{{"k":"v"}}}}"#
+            )
+        );
     }
 }

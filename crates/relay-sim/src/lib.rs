@@ -1,1 +1,508 @@
-pub fn x(){}
+//! A scriptable local relay for tests, benchmarks and demos.
+//!
+//! It serves `com.atproto.sync.subscribeRepos` over WebSocket on loopback, replaying a
+//! capture (`[u32 big-endian length][message]` repeated) with relay cursor semantics:
+//! no cursor → live tail from the current head; `cursor=N` → every frame with seq > N,
+//! then live; a cursor past the head → a `FutureCursor` error frame and close; a cursor
+//! older than the backfill window → `#info OutdatedCursor`, then the window.
+//!
+//! Faults are injected through [`SimHandle`]: close every connection, stall, send a
+//! garbage, text, oversized or error frame, renumber the sequence, or go down entirely.
+//!
+//! # Layout
+//! - [`capture`]: reading and writing capture files.
+//! - [`RelaySim`] / [`SimHandle`]: the server and its remote control.
+
+pub mod capture;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use relay_client::cbor::Writer;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{broadcast, watch};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
+
+/// A fault delivered to every open connection.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// Drop the TCP connection without a close frame.
+    Close,
+    /// Send these bytes as a binary message.
+    Raw(Bytes),
+    /// Send a text message.
+    Text(String),
+    /// Send an error frame (`op = -1`) and close.
+    Error {
+        /// The error name, e.g. `ConsumerTooSlow`.
+        error: String,
+        /// The message.
+        message: String,
+    },
+}
+
+/// Server settings.
+#[derive(Debug, Clone, Default)]
+pub struct SimConfig {
+    /// How many frames are published (visible) at start; `None` = all of them.
+    pub initial_head: Option<usize>,
+    /// Publish the remaining frames at this many per second; `None` = never on its own.
+    pub rate: Option<u32>,
+    /// Oldest seq still in the backfill window; older cursors get `OutdatedCursor`.
+    pub window_start: Option<u64>,
+}
+
+struct Log {
+    /// (seq, frame) in publication order.
+    frames: Vec<(u64, Bytes)>,
+}
+
+struct Shared {
+    log: Mutex<Log>,
+    cfg: SimConfig,
+    head: watch::Sender<usize>,
+    stalled: watch::Sender<bool>,
+    down: AtomicBool,
+    faults: broadcast::Sender<Fault>,
+    connects: AtomicU64,
+    open: AtomicU64,
+    cursors: Mutex<Vec<Option<u64>>>,
+}
+
+/// A running simulated relay.
+pub struct RelaySim {
+    addr: SocketAddr,
+    handle: SimHandle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Remote control of a [`RelaySim`]; cheap to clone.
+#[derive(Clone)]
+pub struct SimHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for SimHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimHandle")
+            .field("head", &*self.shared.head.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The seq of a frame, if it has one.
+#[must_use]
+pub fn frame_seq(bytes: &[u8]) -> Option<u64> {
+    relay_client::frame::decode(bytes)
+        .ok()
+        .and_then(|f| match f {
+            relay_client::Frame::Message(m) => m.seq(),
+            relay_client::Frame::Error(_) => None,
+        })
+}
+
+/// `frame` with its body's seq replaced by `seq` (all else byte for byte the same).
+#[must_use]
+pub fn with_seq(frame: &[u8], seq: u64) -> Option<Bytes> {
+    let span = relay_client::frame::seq_span(frame)?;
+    let mut w = Writer::new();
+    w.raw(&frame[..span.start])
+        .int(i64::try_from(seq).ok()?)
+        .raw(&frame[span.end..]);
+    Some(Bytes::from(w.buf))
+}
+
+/// An error frame `{op:-1}{error, message}`.
+#[must_use]
+pub fn error_frame(error: &str, message: &str) -> Bytes {
+    let mut w = Writer::new();
+    w.map(1)
+        .str("op")
+        .int(-1)
+        .map(2)
+        .str("error")
+        .str(error)
+        .str("message")
+        .str(message);
+    Bytes::from(w.buf)
+}
+
+/// An `#info` frame.
+#[must_use]
+pub fn info_frame(name: &str, message: &str) -> Bytes {
+    let mut w = Writer::new();
+    w.map(2)
+        .str("t")
+        .str("#info")
+        .str("op")
+        .int(1)
+        .map(2)
+        .str("name")
+        .str(name)
+        .str("message")
+        .str(message);
+    Bytes::from(w.buf)
+}
+
+impl RelaySim {
+    /// Starts on a free loopback port with every frame published.
+    pub async fn start(frames: Vec<Bytes>) -> std::io::Result<Self> {
+        Self::start_with(
+            frames,
+            SimConfig::default(),
+            "127.0.0.1:0".parse().expect("addr"),
+        )
+        .await
+    }
+
+    /// Starts with explicit settings on `addr`.
+    pub async fn start_with(
+        frames: Vec<Bytes>,
+        cfg: SimConfig,
+        addr: SocketAddr,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let frames: Vec<(u64, Bytes)> = {
+            let mut last = 0;
+            frames
+                .into_iter()
+                .map(|f| {
+                    last = frame_seq(&f).unwrap_or(last);
+                    (last, f)
+                })
+                .collect()
+        };
+        let head = cfg.initial_head.unwrap_or(frames.len()).min(frames.len());
+        let shared = Arc::new(Shared {
+            log: Mutex::new(Log { frames }),
+            cfg: cfg.clone(),
+            head: watch::Sender::new(head),
+            stalled: watch::Sender::new(false),
+            down: AtomicBool::new(false),
+            faults: broadcast::channel(1024).0,
+            connects: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            cursors: Mutex::new(Vec::new()),
+        });
+        let handle = SimHandle {
+            shared: shared.clone(),
+        };
+        if let Some(rate) = cfg.rate.filter(|&r| r > 0) {
+            let h = handle.clone();
+            tokio::spawn(async move { h.pace(rate).await });
+        }
+        let task = tokio::spawn(accept_loop(listener, shared));
+        Ok(Self { addr, handle, task })
+    }
+
+    /// `ws://127.0.0.1:<port>`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("ws://{}", self.addr)
+    }
+
+    /// The bound address.
+    #[must_use]
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The remote control.
+    #[must_use]
+    pub fn handle(&self) -> SimHandle {
+        self.handle.clone()
+    }
+
+    /// Runs until the task ends (for the binary).
+    pub async fn wait(mut self) {
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for RelaySim {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = self.handle.shared.faults.send(Fault::Close);
+    }
+}
+
+impl SimHandle {
+    async fn pace(&self, rate: u32) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
+        loop {
+            tick.tick().await;
+            let total = self.shared.log.lock().expect("log").frames.len();
+            let mut done = false;
+            self.shared.head.send_modify(|h| {
+                if *h < total {
+                    *h += 1;
+                } else {
+                    done = true;
+                }
+            });
+            if done {
+                return;
+            }
+        }
+    }
+
+    /// Appends a frame and publishes it at once.
+    pub fn publish(&self, frame: Bytes) {
+        let mut log = self.shared.log.lock().expect("log");
+        let last = log.frames.last().map_or(0, |f| f.0);
+        let seq = frame_seq(&frame).unwrap_or(last);
+        log.frames.push((seq, frame));
+        let n = log.frames.len();
+        drop(log);
+        self.shared.head.send_replace(n);
+    }
+
+    /// Publishes frames up to index `n` of the log.
+    pub fn publish_up_to(&self, n: usize) {
+        let total = self.shared.log.lock().expect("log").frames.len();
+        self.shared.head.send_replace(n.min(total));
+    }
+
+    /// The seq of the newest published frame.
+    #[must_use]
+    pub fn head_seq(&self) -> u64 {
+        let head = *self.shared.head.borrow();
+        let log = self.shared.log.lock().expect("log");
+        head.checked_sub(1).map_or(0, |i| log.frames[i].0)
+    }
+
+    /// Drops every open connection.
+    pub fn close_all(&self) {
+        let _ = self.shared.faults.send(Fault::Close);
+    }
+
+    /// Stops (true) or resumes (false) sending data; pings are still answered.
+    pub fn stall(&self, on: bool) {
+        self.shared.stalled.send_replace(on);
+    }
+
+    /// Sends raw bytes as one binary message on every connection.
+    pub fn send_raw(&self, bytes: Bytes) {
+        let _ = self.shared.faults.send(Fault::Raw(bytes));
+    }
+
+    /// Sends a text message on every connection.
+    pub fn send_text(&self, text: &str) {
+        let _ = self.shared.faults.send(Fault::Text(text.to_owned()));
+    }
+
+    /// Sends an error frame and closes every connection.
+    pub fn send_error(&self, error: &str, message: &str) {
+        let _ = self.shared.faults.send(Fault::Error {
+            error: error.to_owned(),
+            message: message.to_owned(),
+        });
+    }
+
+    /// Renumbers the frames not yet published so that they continue at `base`, `base+1`,
+    /// …, as a relay that restarted with a fresh sequence would: a live consumer then
+    /// sees seq jump backwards.
+    pub fn reset_seq(&self, base: u64) {
+        let head = *self.shared.head.borrow();
+        let mut log = self.shared.log.lock().expect("log");
+        for (i, (seq, f)) in log.frames.iter_mut().skip(head).enumerate() {
+            let s = base + i as u64;
+            if let Some(b) = with_seq(f, s) {
+                *f = b;
+                *seq = s;
+            }
+        }
+    }
+
+    /// Takes the relay down (closes connections, refuses new ones) or brings it up.
+    pub fn set_down(&self, down: bool) {
+        self.shared.down.store(down, Ordering::SeqCst);
+        if down {
+            self.close_all();
+        }
+    }
+
+    /// Connections accepted so far.
+    #[must_use]
+    pub fn connects(&self) -> u64 {
+        self.shared.connects.load(Ordering::SeqCst)
+    }
+
+    /// Connections open now.
+    #[must_use]
+    pub fn open_connections(&self) -> u64 {
+        self.shared.open.load(Ordering::SeqCst)
+    }
+
+    /// The cursor each accepted connection asked for, in order.
+    #[must_use]
+    pub fn cursors(&self) -> Vec<Option<u64>> {
+        self.shared.cursors.lock().expect("cursors").clone()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        let Ok((tcp, _)) = listener.accept().await else {
+            continue;
+        };
+        if shared.down.load(Ordering::SeqCst) {
+            drop(tcp);
+            continue;
+        }
+        let _ = tcp.set_nodelay(true);
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            shared.open.fetch_add(1, Ordering::SeqCst);
+            let _ = serve(tcp, &shared).await;
+            shared.open.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+}
+
+fn parse_cursor(query: Option<&str>) -> Result<Option<u64>, ()> {
+    let Some(q) = query else { return Ok(None) };
+    for pair in q.split('&') {
+        if let Some(v) = pair.strip_prefix("cursor=") {
+            return v.parse().map(Some).map_err(|_| ());
+        }
+    }
+    Ok(None)
+}
+
+async fn serve(
+    tcp: TcpStream,
+    shared: &Shared,
+) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+    let mut query = None;
+    let ws = tokio_tungstenite::accept_hdr_async(tcp, |req: &Request, resp: Response| {
+        query = req.uri().query().map(str::to_owned);
+        Ok(resp)
+    })
+    .await?;
+    let (mut tx, mut rx) = ws.split();
+    let mut faults = shared.faults.subscribe();
+    let mut head = shared.head.subscribe();
+    let mut stalled = shared.stalled.subscribe();
+    shared.connects.fetch_add(1, Ordering::SeqCst);
+    let Ok(cursor) = parse_cursor(query.as_deref()) else {
+        tx.send(Message::Binary(error_frame(
+            "InvalidRequest",
+            "cursor must be an integer",
+        )))
+        .await?;
+        return tx.close().await;
+    };
+    shared.cursors.lock().expect("cursors").push(cursor);
+
+    // Where to start in the log, decided without holding the lock across a send.
+    enum Start {
+        At(usize),
+        Outdated(usize),
+        Future,
+    }
+    let start = {
+        let log = shared.log.lock().expect("log");
+        let h = *head.borrow();
+        let head_seq = h.checked_sub(1).map_or(0, |i| log.frames[i].0);
+        match cursor {
+            None => Start::At(h),
+            Some(c) if c > head_seq => Start::Future,
+            Some(c) => {
+                let window = shared.cfg.window_start.unwrap_or(0);
+                let from =
+                    log.frames[..h].partition_point(|(s, _)| *s <= c.max(window.saturating_sub(1)));
+                if c.saturating_add(1) < window {
+                    Start::Outdated(from)
+                } else {
+                    Start::At(from)
+                }
+            }
+        }
+    };
+    let mut next = match start {
+        Start::At(i) => i,
+        Start::Outdated(i) => {
+            tx.send(Message::Binary(info_frame(
+                "OutdatedCursor",
+                "Requested cursor exceeded limit. Possibly missing events",
+            )))
+            .await?;
+            i
+        }
+        Start::Future => {
+            tx.send(Message::Binary(error_frame(
+                "FutureCursor",
+                "Cursor in the future.",
+            )))
+            .await?;
+            return tx.close().await;
+        }
+    };
+
+    loop {
+        // Send what is published, unless stalled.
+        if !*stalled.borrow() {
+            let batch: Vec<Bytes> = {
+                let log = shared.log.lock().expect("log");
+                let h = (*head.borrow()).min(log.frames.len());
+                let end = h.min(next + 256);
+                log.frames[next.min(end)..end]
+                    .iter()
+                    .map(|(_, f)| f.clone())
+                    .collect()
+            };
+            if !batch.is_empty() {
+                next += batch.len();
+                for f in batch {
+                    tx.feed(Message::Binary(f)).await?;
+                }
+                tx.flush().await?;
+                // Let faults and pings in between batches.
+                tokio::task::yield_now().await;
+                if let Ok(f) = faults.try_recv() {
+                    if apply(&mut tx, f).await? {
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+        }
+        tokio::select! {
+            f = faults.recv() => match f {
+                Ok(f) => if apply(&mut tx, f).await? { return Ok(()) },
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+            r = head.changed() => if r.is_err() { return Ok(()) },
+            r = stalled.changed() => if r.is_err() { return Ok(()) },
+            m = rx.next() => match m {
+                None | Some(Err(_) | Ok(Message::Close(_))) => return Ok(()),
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+}
+
+type Tx = futures_util::stream::SplitSink<tokio_tungstenite::WebSocketStream<TcpStream>, Message>;
+
+/// Applies a fault; true when the connection is over.
+async fn apply(tx: &mut Tx, f: Fault) -> Result<bool, tokio_tungstenite::tungstenite::Error> {
+    match f {
+        Fault::Close => Ok(true),
+        Fault::Raw(b) => tx.send(Message::Binary(b)).await.map(|()| false),
+        Fault::Text(t) => tx.send(Message::Text(t.into())).await.map(|()| false),
+        Fault::Error { error, message } => {
+            tx.send(Message::Binary(error_frame(&error, &message)))
+                .await?;
+            let _ = tx.close().await;
+            Ok(true)
+        }
+    }
+}

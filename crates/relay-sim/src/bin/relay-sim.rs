@@ -1,0 +1,76 @@
+//! `relay-sim --capture FILE [--listen ADDR] [--rate N] [--initial N] [--window-start SEQ]`:
+//! serve a capture file as a local relay until interrupted.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use relay_sim::{RelaySim, SimConfig, capture};
+
+fn usage() -> ExitCode {
+    eprintln!(
+        "usage: relay-sim --capture FILE [--listen 127.0.0.1:2470] [--rate FRAMES_PER_S] [--initial N] [--window-start SEQ]"
+    );
+    ExitCode::from(2)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let mut args = std::env::args().skip(1);
+    let (mut path, mut listen, mut cfg) = (
+        None::<PathBuf>,
+        "127.0.0.1:2470".to_owned(),
+        SimConfig::default(),
+    );
+    while let Some(a) = args.next() {
+        let Some(v) = args.next() else { return usage() };
+        let ok = match a.as_str() {
+            "--capture" => {
+                path = Some(PathBuf::from(&v));
+                true
+            }
+            "--listen" => {
+                listen.clone_from(&v);
+                true
+            }
+            "--rate" => v.parse().map(|r| cfg.rate = Some(r)).is_ok(),
+            "--initial" => v.parse().map(|n| cfg.initial_head = Some(n)).is_ok(),
+            "--window-start" => v.parse().map(|s| cfg.window_start = Some(s)).is_ok(),
+            _ => false,
+        };
+        if !ok {
+            eprintln!("relay-sim: bad argument {a} {v}");
+            return usage();
+        }
+    }
+    let Some(path) = path else { return usage() };
+    let Ok(addr) = listen.parse::<SocketAddr>() else {
+        eprintln!("relay-sim: --listen {listen} is not an address");
+        return ExitCode::from(2);
+    };
+    let frames = match capture::read(&path) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("relay-sim: {}: {e}", path.display());
+            return ExitCode::from(1);
+        }
+    };
+    let n = frames.len();
+    let sim = match RelaySim::start_with(frames, cfg, addr).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("relay-sim: cannot listen on {addr}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    eprintln!(
+        "relay-sim: serving {n} frames from {} on {}",
+        path.display(),
+        sim.url()
+    );
+    tokio::select! {
+        () = sim.wait() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    ExitCode::SUCCESS
+}
