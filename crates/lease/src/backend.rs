@@ -1,0 +1,104 @@
+//! The seam between the supervisor and a lease store.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+/// Why a backend call failed. All of these are "outcome unknown": the supervisor keeps
+/// leading until its deadline and tries again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The call did not finish within the op timeout; the connection was dropped.
+    #[error("lease store call timed out after {0:?}")]
+    Timeout(Duration),
+    /// The store could not be reached or refused the command (e.g. an ACL denial).
+    #[error("lease store unavailable: {0}")]
+    Unavailable(String),
+    /// The store answered something no script returns.
+    #[error("lease store answered nonsense: {0}")]
+    Protocol(String),
+}
+
+/// Result of an acquire attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    /// We hold the lease with this fencing token.
+    Acquired {
+        /// Strictly greater than every earlier token.
+        token: u64,
+    },
+    /// Someone holds it.
+    Held {
+        /// Their `<instance>:<token>`.
+        holder: String,
+    },
+}
+
+/// Result of a renewal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Renew {
+    /// The key was ours and its ttl was extended.
+    Renewed,
+    /// The key had vanished but the fence counter still equals our token, so nobody else
+    /// was elected: the key was set again with the same token.
+    Retaken,
+    /// The key is gone and the fence moved on: another term began.
+    Fenced {
+        /// The counter's value now, if any.
+        fence: Option<u64>,
+    },
+    /// Someone else holds the key.
+    TakenBy {
+        /// Their `<instance>:<token>`.
+        holder: String,
+    },
+}
+
+/// What the store holds, for `lease show` and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// `<instance>:<token>` of the holder, if any.
+    pub holder: Option<String>,
+    /// The fence counter (the last token issued).
+    pub fence: u64,
+    /// The highest token any checkpoint commit has seen.
+    pub fence_seen: u64,
+    /// Remaining ttl of the lease key.
+    pub ttl: Option<Duration>,
+}
+
+/// A lease store. Every call is one atomic operation with a hard timeout.
+pub trait Backend: Send + Sync + 'static {
+    /// Takes the lease if free, issuing a fresh fencing token.
+    fn acquire(
+        &self,
+        instance: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Acquire, BackendError>> + Send;
+    /// Extends our lease, or retakes it if it vanished and nobody was elected since.
+    fn renew(
+        &self,
+        instance: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Renew, BackendError>> + Send;
+    /// Deletes the lease if `instance` holds it (any token) and tells standbys. Returns
+    /// whether it was ours.
+    fn release(&self, instance: &str) -> impl Future<Output = Result<bool, BackendError>> + Send;
+    /// Raises the fence counter to at least `min` (never lowers it); returns its value.
+    fn seed_fence(&self, min: u64) -> impl Future<Output = Result<u64, BackendError>> + Send;
+    /// Reads the lease state.
+    fn snapshot(&self) -> impl Future<Output = Result<Snapshot, BackendError>> + Send;
+    /// Fired when some holder releases, so standbys try at once; `None` if the store
+    /// has no such signal.
+    fn release_signal(&self) -> Option<Arc<Notify>>;
+}
+
+/// Parses `<instance>:<token>`.
+#[must_use]
+pub fn parse_holder(v: &str) -> Option<(&str, u64)> {
+    let (i, t) = v.rsplit_once(':')?;
+    Some((i, t.parse().ok()?))
+}

@@ -1,0 +1,179 @@
+//! The local backend: one host, a lock file. The OS lock (`flock`) is the lease, so a
+//! crashed process frees it at once; the fence counter lives in a file beside it.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::backend::{Acquire, Backend, BackendError, Renew, Snapshot, parse_holder};
+
+/// A lease held as an exclusive lock on a file.
+#[derive(Debug)]
+pub struct LocalBackend {
+    lock_path: PathBuf,
+    fence_path: PathBuf,
+    held: Mutex<Option<(File, String)>>,
+    released: Arc<Notify>,
+}
+
+fn io(what: &str, e: &std::io::Error) -> BackendError {
+    BackendError::Unavailable(format!("{what}: {e}"))
+}
+
+impl LocalBackend {
+    /// Uses `<path>` as the lock file and `<path>.fence` as the counter.
+    #[must_use]
+    pub fn new(path: &Path) -> Self {
+        let mut fence = path.as_os_str().to_owned();
+        fence.push(".fence");
+        Self {
+            lock_path: path.to_owned(),
+            fence_path: fence.into(),
+            held: Mutex::new(None),
+            released: Arc::new(Notify::new()),
+        }
+    }
+
+    fn read_fence(&self) -> Result<u64, BackendError> {
+        match std::fs::read_to_string(&self.fence_path) {
+            Ok(s) => s
+                .trim()
+                .parse()
+                .map_err(|_| BackendError::Protocol(format!("fence file holds {s:?}"))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+            Err(e) => Err(io("reading fence file", &e)),
+        }
+    }
+
+    fn write_fence(&self, v: u64) -> Result<(), BackendError> {
+        let mut tmp = self.fence_path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        let mut f = File::create(&tmp).map_err(|e| io("writing fence file", &e))?;
+        f.write_all(v.to_string().as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| io("writing fence file", &e))?;
+        std::fs::rename(&tmp, &self.fence_path).map_err(|e| io("renaming fence file", &e))?;
+        if let Some(dir) = self
+            .fence_path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| io("syncing lease directory", &e))?;
+        }
+        Ok(())
+    }
+
+    fn read_holder(&self) -> Option<String> {
+        let s = std::fs::read_to_string(&self.lock_path).ok()?;
+        let s = s.trim();
+        (!s.is_empty()).then(|| s.to_owned())
+    }
+}
+
+impl Backend for LocalBackend {
+    async fn acquire(&self, instance: &str, _ttl: Duration) -> Result<Acquire, BackendError> {
+        let mut held = self
+            .held
+            .lock()
+            .map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
+        if let Some((_, v)) = held.as_ref() {
+            return Ok(Acquire::Held { holder: v.clone() });
+        }
+        let mut f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.lock_path)
+            .map_err(|e| io("opening lock file", &e))?;
+        match f.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut s = String::new();
+                let _ = f.read_to_string(&mut s);
+                return Ok(Acquire::Held {
+                    holder: s.trim().to_owned(),
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io("locking lock file", &e)),
+        }
+        let token = self.read_fence()? + 1;
+        self.write_fence(token)?;
+        let value = format!("{instance}:{token}");
+        f.set_len(0)
+            .and_then(|()| f.seek(SeekFrom::Start(0)))
+            .and_then(|_| f.write_all(value.as_bytes()))
+            .and_then(|()| f.sync_all())
+            .map_err(|e| io("writing lock file", &e))?;
+        *held = Some((f, value));
+        Ok(Acquire::Acquired { token })
+    }
+
+    async fn renew(
+        &self,
+        instance: &str,
+        token: u64,
+        _ttl: Duration,
+    ) -> Result<Renew, BackendError> {
+        let held = self
+            .held
+            .lock()
+            .map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
+        match held.as_ref() {
+            Some((_, v)) if *v == format!("{instance}:{token}") => Ok(Renew::Renewed),
+            Some((_, v)) => Ok(Renew::TakenBy { holder: v.clone() }),
+            None => Ok(Renew::Fenced {
+                fence: self.read_fence().ok(),
+            }),
+        }
+    }
+
+    async fn release(&self, instance: &str) -> Result<bool, BackendError> {
+        let mut held = self
+            .held
+            .lock()
+            .map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
+        let ours = held
+            .as_ref()
+            .and_then(|(_, v)| parse_holder(v))
+            .is_some_and(|(i, _)| i == instance);
+        if !ours {
+            return Ok(false);
+        }
+        if let Some((f, _)) = held.take() {
+            let _ = f.set_len(0);
+            let _ = f.unlock();
+        }
+        self.released.notify_waiters();
+        Ok(true)
+    }
+
+    async fn seed_fence(&self, min: u64) -> Result<u64, BackendError> {
+        let f = self.read_fence()?;
+        if min > f {
+            self.write_fence(min)?;
+        }
+        Ok(f.max(min))
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot, BackendError> {
+        let fence = self.read_fence()?;
+        Ok(Snapshot {
+            holder: self.read_holder(),
+            fence,
+            fence_seen: fence,
+            ttl: None,
+        })
+    }
+
+    fn release_signal(&self) -> Option<Arc<Notify>> {
+        Some(self.released.clone())
+    }
+}

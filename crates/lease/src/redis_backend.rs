@@ -1,0 +1,403 @@
+//! The Redis lease store: acquire, renew (with retake), release and fence seeding, each
+//! one Lua script, with keys under one hash tag so they work on Redis Cluster.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Script, Value};
+use tokio::sync::{Mutex, Notify};
+
+use crate::backend::{Acquire, Backend, BackendError, Renew, Snapshot};
+
+/// Key names for one deployment.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// The lease key: `<instance>:<token>` with a ttl.
+    pub lease: String,
+    /// The fence counter: the last token issued.
+    pub fence: String,
+    /// The highest token a checkpoint commit has seen (written by the checkpoint store).
+    pub fence_seen: String,
+    /// The channel release messages go to.
+    pub channel: String,
+}
+
+impl Keys {
+    /// Keys `{<prefix>}:lease`, `{<prefix>}:fence`, `{<prefix>}:fence-seen`, channel
+    /// `{<prefix>}:released`.
+    #[must_use]
+    pub fn new(prefix: &str) -> Self {
+        let tag = format!("{{{prefix}}}");
+        Self {
+            lease: format!("{tag}:lease"),
+            fence: format!("{tag}:fence"),
+            fence_seen: format!("{tag}:fence-seen"),
+            channel: format!("{tag}:released"),
+        }
+    }
+}
+
+// KEYS: lease, fence, fence-seen. ARGV: instance, ttl ms.
+// The new token is above the counter and above every token a checkpoint has seen, so a
+// Redis that lost its counter (restart, FLUSHALL) can never reissue an old token.
+const ACQUIRE: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if holder then return {0, holder} end
+local fence = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local seen = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+local token = math.max(fence, seen) + 1
+local t = string.format('%d', token)
+redis.call('SET', KEYS[2], t)
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. t, 'PX', ARGV[2])
+return {1, t}
+";
+
+// KEYS: lease, fence. ARGV: '<instance>:<token>', ttl ms, token.
+const RENEW: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, ''}
+end
+if not v then
+  local f = redis.call('GET', KEYS[2])
+  if f == ARGV[3] then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    return {2, ''}
+  end
+  return {3, f or ''}
+end
+return {4, v}
+";
+
+// KEYS: lease. ARGV: '<instance>:', channel.
+const RELEASE: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1])) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], v)
+  return 1
+end
+return 0
+";
+
+// KEYS: fence, fence-seen. ARGV: min.
+const SEED: &str = r"
+local f = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local m = tonumber(ARGV[1])
+local seen = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local v = math.max(f, m, seen)
+local s = string.format('%d', v)
+redis.call('SET', KEYS[1], s)
+return s
+";
+
+/// The Redis backend. One multiplexed connection, replaced after any timeout or error;
+/// no offline queue, no retries.
+pub struct RedisBackend {
+    client: redis::Client,
+    keys: Keys,
+    op_timeout: Duration,
+    conn: Mutex<Option<MultiplexedConnection>>,
+    scripts: Scripts,
+    released: Arc<Notify>,
+    listener: tokio::task::JoinHandle<()>,
+}
+
+struct Scripts {
+    acquire: Script,
+    renew: Script,
+    release: Script,
+    seed: Script,
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RedisBackend {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
+fn unavailable(e: &redis::RedisError) -> BackendError {
+    // The error text of redis-rs can include the URL for connection errors; keep only
+    // the kind and the server's code/detail.
+    let detail = e.code().map_or_else(
+        || format!("{:?}", e.kind()),
+        |c| format!("{c}: {}", e.detail().unwrap_or_default()),
+    );
+    BackendError::Unavailable(detail)
+}
+
+fn protocol(what: impl Into<String>) -> BackendError {
+    BackendError::Protocol(what.into())
+}
+
+fn as_str(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn pair(v: &Value) -> Result<(i64, String), BackendError> {
+    match v {
+        Value::Array(items) if items.len() == 2 => {
+            let Value::Int(code) = items[0] else {
+                return Err(protocol(format!("status not an integer: {v:?}")));
+            };
+            let s =
+                as_str(&items[1]).ok_or_else(|| protocol(format!("detail not a string: {v:?}")))?;
+            Ok((code, s))
+        }
+        other => Err(protocol(format!(
+            "expected a two-element array, got {other:?}"
+        ))),
+    }
+}
+
+fn parse_u64(s: &str, what: &str) -> Result<u64, BackendError> {
+    s.parse()
+        .map_err(|_| protocol(format!("{what} {s:?} is not a non-negative integer")))
+}
+
+impl RedisBackend {
+    /// Connects lazily to `url` (credentials stay inside the client, never logged).
+    pub fn new(url: &str, prefix: &str, op_timeout: Duration) -> Result<Self, BackendError> {
+        let client = redis::Client::open(url).map_err(|e| unavailable(&e))?;
+        let keys = Keys::new(prefix);
+        let released = Arc::new(Notify::new());
+        let listener = tokio::spawn(listen(
+            client.clone(),
+            keys.channel.clone(),
+            released.clone(),
+            op_timeout,
+        ));
+        Ok(Self {
+            client,
+            keys,
+            op_timeout,
+            conn: Mutex::new(None),
+            scripts: Scripts {
+                acquire: Script::new(ACQUIRE),
+                renew: Script::new(RENEW),
+                release: Script::new(RELEASE),
+                seed: Script::new(SEED),
+            },
+            released,
+            listener,
+        })
+    }
+
+    /// The key names in use.
+    #[must_use]
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// Runs `f` on a connection under the op timeout; drops the connection on failure.
+    async fn with_conn<T, F, Fut>(&self, f: F) -> Result<T, BackendError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let run = async {
+            let conn = {
+                let mut guard = self.conn.lock().await;
+                if let Some(c) = guard.as_ref() {
+                    c.clone()
+                } else {
+                    let cfg = AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.op_timeout))
+                        .set_response_timeout(Some(self.op_timeout));
+                    let c = self
+                        .client
+                        .get_multiplexed_async_connection_with_config(&cfg)
+                        .await
+                        .map_err(|e| unavailable(&e))?;
+                    *guard = Some(c.clone());
+                    c
+                }
+            };
+            f(conn).await.map_err(|e| unavailable(&e))
+        };
+        match tokio::time::timeout(self.op_timeout, run).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                *self.conn.lock().await = None;
+                Err(e)
+            }
+            Err(_) => {
+                *self.conn.lock().await = None;
+                Err(BackendError::Timeout(self.op_timeout))
+            }
+        }
+    }
+
+    /// Answers whether `token` is the current holder's token, for fenced writes by other
+    /// components and for tests.
+    pub async fn holder_token(&self) -> Result<Option<u64>, BackendError> {
+        let s = self.snapshot().await?;
+        Ok(s.holder
+            .as_deref()
+            .and_then(crate::backend::parse_holder)
+            .map(|(_, t)| t))
+    }
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis().max(1) as u64
+}
+
+impl Backend for RedisBackend {
+    async fn acquire(&self, instance: &str, ttl: Duration) -> Result<Acquire, BackendError> {
+        let k = &self.keys;
+        let v: Value = self
+            .with_conn(|mut c| async move {
+                self.scripts
+                    .acquire
+                    .key(&k.lease)
+                    .key(&k.fence)
+                    .key(&k.fence_seen)
+                    .arg(instance)
+                    .arg(ms(ttl))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        match pair(&v)? {
+            (1, t) => Ok(Acquire::Acquired {
+                token: parse_u64(&t, "token")?,
+            }),
+            (0, holder) => Ok(Acquire::Held { holder }),
+            other => Err(protocol(format!("acquire answered {other:?}"))),
+        }
+    }
+
+    async fn renew(
+        &self,
+        instance: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<Renew, BackendError> {
+        let k = &self.keys;
+        let value = format!("{instance}:{token}");
+        let v: Value = self
+            .with_conn(|mut c| async move {
+                self.scripts
+                    .renew
+                    .key(&k.lease)
+                    .key(&k.fence)
+                    .arg(&value)
+                    .arg(ms(ttl))
+                    .arg(token)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        match pair(&v)? {
+            (1, _) => Ok(Renew::Renewed),
+            (2, _) => Ok(Renew::Retaken),
+            (3, f) => Ok(Renew::Fenced {
+                fence: f.parse().ok(),
+            }),
+            (4, holder) => Ok(Renew::TakenBy { holder }),
+            other => Err(protocol(format!("renew answered {other:?}"))),
+        }
+    }
+
+    async fn release(&self, instance: &str) -> Result<bool, BackendError> {
+        let k = &self.keys;
+        let prefix = format!("{instance}:");
+        let v: i64 = self
+            .with_conn(|mut c| async move {
+                self.scripts
+                    .release
+                    .key(&k.lease)
+                    .arg(&prefix)
+                    .arg(&k.channel)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(v == 1)
+    }
+
+    async fn seed_fence(&self, min: u64) -> Result<u64, BackendError> {
+        let k = &self.keys;
+        let v: String = self
+            .with_conn(|mut c| async move {
+                self.scripts
+                    .seed
+                    .key(&k.fence)
+                    .key(&k.fence_seen)
+                    .arg(min)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        parse_u64(&v, "fence")
+    }
+
+    async fn snapshot(&self) -> Result<Snapshot, BackendError> {
+        let k = &self.keys;
+        let (holder, fence, seen, pttl): (Option<String>, Option<String>, Option<String>, i64) =
+            self.with_conn(|mut c| async move {
+                redis::pipe()
+                    .get(&k.lease)
+                    .get(&k.fence)
+                    .get(&k.fence_seen)
+                    .pttl(&k.lease)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(Snapshot {
+            holder,
+            fence: fence.as_deref().map_or(Ok(0), |f| parse_u64(f, "fence"))?,
+            fence_seen: seen
+                .as_deref()
+                .map_or(Ok(0), |f| parse_u64(f, "fence-seen"))?,
+            ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+        })
+    }
+
+    fn release_signal(&self) -> Option<Arc<Notify>> {
+        Some(self.released.clone())
+    }
+}
+
+/// Keeps a subscription to the release channel, reconnecting after errors.
+async fn listen(
+    client: redis::Client,
+    channel: String,
+    released: Arc<Notify>,
+    op_timeout: Duration,
+) {
+    loop {
+        if let Ok(Ok(mut ps)) = tokio::time::timeout(
+            op_timeout.max(Duration::from_secs(1)),
+            client.get_async_pubsub(),
+        )
+        .await
+        {
+            if ps.subscribe(&channel).await.is_ok() {
+                let mut msgs = ps.on_message();
+                while msgs.next().await.is_some() {
+                    released.notify_waiters();
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}

@@ -1,0 +1,682 @@
+//! The supervisor: one task per process that contends for the lease, renews it, and
+//! announces every change of leadership exactly once.
+//!
+//! ```text
+//!            acquire ok                      renew fails past deadline / key taken
+//! Standby ───────────────▶ Leader(term) ──────────────────────────────▶ Lost ─┐
+//!   ▲  poll + jitter,          │  step_down(): keep renewing, stop contending │
+//!   │  wake on release         ▼                                              │
+//!   │                     SteppingDown ── release() ──▶ Released (exit)       │
+//!   │                          └───────── abandon() ──▶ left to expire (exit) │
+//!   └──────────── every clone of the lost Term dropped ◀──────────────────────┘
+//! ```
+//!
+//! The leader acts only while `now < deadline`, where the deadline is the *send* time of
+//! the last successful renewal plus `ttl - margin`. A timer fires at the deadline itself,
+//! whatever the backend says or does not say.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Acquire, Backend, BackendError, Renew};
+use crate::clock::Clock;
+use crate::config::{ConfigError, LeaseConfig};
+
+/// One continuous leadership. Cheap to clone; the supervisor waits until every clone of
+/// a lost term is dropped before contending again, so two terms of one process never
+/// overlap.
+#[derive(Clone)]
+pub struct Term(Arc<TermInner>);
+
+struct TermInner {
+    instance: Arc<str>,
+    token: u64,
+    epoch: u64,
+    /// Deadline as clock nanoseconds; only ever moves forward.
+    deadline_ns: AtomicU64,
+    cancel: CancellationToken,
+    clock: Arc<dyn Clock>,
+    _done: oneshot::Sender<()>,
+}
+
+impl std::fmt::Debug for Term {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Term")
+            .field("token", &self.0.token)
+            .field("epoch", &self.0.epoch)
+            .field("active", &self.is_active())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Term {
+    /// The fencing token: every write made for this term carries it.
+    #[must_use]
+    pub fn token(&self) -> u64 {
+        self.0.token
+    }
+
+    /// The local term counter of this process.
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.0.epoch
+    }
+
+    /// This process's instance id.
+    #[must_use]
+    pub fn instance(&self) -> &str {
+        &self.0.instance
+    }
+
+    /// True while the term is not over and its deadline has not passed. Check it
+    /// before every externally visible action.
+    #[must_use]
+    pub fn is_active(&self) -> bool {
+        !self.0.cancel.is_cancelled() && self.remaining() > Duration::ZERO
+    }
+
+    /// Time left until the deadline.
+    #[must_use]
+    pub fn remaining(&self) -> Duration {
+        let deadline = Duration::from_nanos(self.0.deadline_ns.load(Ordering::Acquire));
+        deadline.saturating_sub(self.0.clock.now())
+    }
+
+    /// Fires when the term ends (lost, released or abandoned).
+    #[must_use]
+    pub fn cancellation(&self) -> CancellationToken {
+        self.0.cancel.clone()
+    }
+
+    /// Waits until the term ends.
+    pub async fn ended(&self) {
+        self.0.cancel.cancelled().await;
+    }
+
+    fn extend_to(&self, deadline: Duration) {
+        self.0.deadline_ns.fetch_max(
+            u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::AcqRel,
+        );
+    }
+
+    fn end(&self) {
+        self.0.cancel.cancel();
+    }
+}
+
+/// Why a term was lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LossReason {
+    /// No renewal succeeded before the deadline (store down, slow, paused, or we were).
+    Expired,
+    /// Another instance holds the key.
+    TakenBy(String),
+    /// The key vanished and the fence counter moved past our token.
+    Fenced(Option<u64>),
+}
+
+impl LossReason {
+    /// Short label for metrics and logs.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Expired => "expired",
+            Self::TakenBy(_) => "taken",
+            Self::Fenced(_) => "fenced",
+        }
+    }
+}
+
+/// A change of leadership, announced once each.
+#[derive(Debug)]
+pub enum LeaseEvent {
+    /// This process leads; act only while the term is active.
+    Elected(Term),
+    /// The term ended without our consent: stop intake at once, commit nothing more.
+    Lost {
+        /// The term's token.
+        token: u64,
+        /// Why.
+        reason: LossReason,
+    },
+    /// The term ended by voluntary release after a drain.
+    Released {
+        /// The term's token.
+        token: u64,
+    },
+}
+
+/// The supervisor's current role, for status pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Contending.
+    Standby,
+    /// Leading.
+    Leader {
+        /// Fencing token.
+        token: u64,
+    },
+    /// Leading, renewing, while the caller drains.
+    SteppingDown {
+        /// Fencing token.
+        token: u64,
+    },
+    /// Exited.
+    Stopped,
+}
+
+/// Why a voluntary step-down did not end in a clean release.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepDownError {
+    /// The drain reported an error; the lease was left to expire.
+    #[error("drain failed ({0}); lease left to expire")]
+    DrainFailed(String),
+    /// The drain outlived its budget; the lease was left to expire.
+    #[error("drain exceeded its {0:?} budget; lease left to expire")]
+    DrainTimeout(Duration),
+    /// The term was lost during the drain.
+    #[error("leadership was lost during the drain")]
+    Lost,
+    /// The release call failed; the lease will expire on its own.
+    #[error("release failed: {0}; the lease will expire on its own")]
+    ReleaseFailed(BackendError),
+    /// The supervisor task is gone.
+    #[error("lease supervisor is not running")]
+    Gone,
+}
+
+enum Command {
+    StepDown(oneshot::Sender<()>),
+    Release(oneshot::Sender<Result<(), StepDownError>>),
+    Abandon(oneshot::Sender<()>),
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// Control of a running supervisor.
+#[derive(Debug)]
+pub struct LeaseHandle {
+    cmd: mpsc::UnboundedSender<Command>,
+    status: watch::Receiver<Status>,
+    instance: Arc<str>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::StepDown(_) => "StepDown",
+            Self::Release(_) => "Release",
+            Self::Abandon(_) => "Abandon",
+            Self::Shutdown(_) => "Shutdown",
+        })
+    }
+}
+
+impl LeaseHandle {
+    /// This process's instance id.
+    #[must_use]
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// The current role.
+    #[must_use]
+    pub fn status(&self) -> Status {
+        *self.status.borrow()
+    }
+
+    /// A receiver of role changes.
+    #[must_use]
+    pub fn watch_status(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Option<T> {
+        let (tx, rx) = oneshot::channel();
+        self.cmd.send(make(tx)).ok()?;
+        rx.await.ok()
+    }
+
+    /// Stops contending; a leader keeps renewing until [`LeaseHandle::release`] or
+    /// [`LeaseHandle::abandon`]. A standby simply exits.
+    pub async fn step_down(&self) {
+        let _ = self.ask(Command::StepDown).await;
+    }
+
+    /// Releases the lease (after the caller drained) so a standby takes over at once.
+    pub async fn release(&self) -> Result<(), StepDownError> {
+        self.ask(Command::Release)
+            .await
+            .unwrap_or(Err(StepDownError::Gone))
+    }
+
+    /// Stops renewing without releasing: the lease expires on its own. For a drain that
+    /// failed, when releasing might let a successor start before our writes settled.
+    pub async fn abandon(&self) {
+        let _ = self.ask(Command::Abandon).await;
+    }
+
+    /// Step-down in one call: stop contending, run `drain` within `budget` while the
+    /// lease is kept renewed, then release; a drain that fails or runs over abandons.
+    pub async fn step_down_with<E: std::fmt::Display>(
+        &self,
+        drain: impl std::future::Future<Output = Result<(), E>>,
+        budget: Duration,
+    ) -> Result<(), StepDownError> {
+        self.step_down().await;
+        match timeout(budget, drain).await {
+            Ok(Ok(())) => self.release().await,
+            Ok(Err(e)) => {
+                self.abandon().await;
+                Err(StepDownError::DrainFailed(e.to_string()))
+            }
+            Err(_) => {
+                self.abandon().await;
+                Err(StepDownError::DrainTimeout(budget))
+            }
+        }
+    }
+
+    /// Stops at once: a standby exits (releasing anything an in-flight acquire just
+    /// took); a leader releases without draining.
+    pub async fn shutdown(&self) {
+        let _ = self.ask(Command::Shutdown).await;
+    }
+
+    /// Waits for the supervisor task to exit.
+    pub async fn join(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Starts a supervisor for a random instance id.
+pub fn spawn<B: Backend>(
+    backend: Arc<B>,
+    cfg: LeaseConfig,
+    clock: Arc<dyn Clock>,
+) -> Result<(LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>), ConfigError> {
+    spawn_as(
+        backend,
+        cfg,
+        clock,
+        &uuid::Uuid::new_v4().simple().to_string(),
+    )
+}
+
+/// Starts a supervisor with an explicit instance id (tests, or a stable pod name).
+pub fn spawn_as<B: Backend>(
+    backend: Arc<B>,
+    cfg: LeaseConfig,
+    clock: Arc<dyn Clock>,
+    instance: &str,
+) -> Result<(LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>), ConfigError> {
+    cfg.validate()?;
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+    let (status_tx, status_rx) = watch::channel(Status::Standby);
+    let instance: Arc<str> = Arc::from(instance);
+    let seed = instance.bytes().fold(0x9e37_79b9_7f4a_7c15_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let wake = backend.release_signal();
+    let sup = Supervisor {
+        backend,
+        cfg,
+        clock,
+        instance: instance.clone(),
+        cmds: cmd_rx,
+        events: ev_tx,
+        status: status_tx,
+        wake,
+        epoch: 0,
+        rng: seed | 1,
+        stopping: false,
+    };
+    let task = tokio::spawn(sup.run());
+    Ok((
+        LeaseHandle {
+            cmd: cmd_tx,
+            status: status_rx,
+            instance,
+            task,
+        },
+        ev_rx,
+    ))
+}
+
+struct Supervisor<B> {
+    backend: Arc<B>,
+    cfg: LeaseConfig,
+    clock: Arc<dyn Clock>,
+    instance: Arc<str>,
+    cmds: mpsc::UnboundedReceiver<Command>,
+    events: mpsc::UnboundedSender<LeaseEvent>,
+    status: watch::Sender<Status>,
+    wake: Option<Arc<Notify>>,
+    epoch: u64,
+    rng: u64,
+    /// A shutdown or step-down was asked for: never contend again.
+    stopping: bool,
+}
+
+enum LeadEnd {
+    Lost(LossReason),
+    Released,
+    Abandoned,
+}
+
+fn transition(to: &'static str, reason: &'static str) {
+    metrics::counter!("firekeeper_lease_transitions_total", "to" => to, "reason" => reason)
+        .increment(1);
+}
+
+impl<B: Backend> Supervisor<B> {
+    async fn run(mut self) {
+        loop {
+            let Some((term, done)) = self.contend().await else {
+                break;
+            };
+            let token = term.token();
+            match self.lead(&term).await {
+                LeadEnd::Lost(reason) => {
+                    term.end();
+                    tracing::error!(
+                        token,
+                        reason = reason.label(),
+                        ?reason,
+                        "leadership lost; intake must stop now"
+                    );
+                    transition("standby", reason.label());
+                    self.status.send_replace(Status::Standby);
+                    let _ = self.events.send(LeaseEvent::Lost { token, reason });
+                    drop(term);
+                    self.wait_term_dropped(done, token).await;
+                    if self.stopping {
+                        break;
+                    }
+                }
+                LeadEnd::Released => {
+                    term.end();
+                    transition("stopped", "released");
+                    let _ = self.events.send(LeaseEvent::Released { token });
+                    break;
+                }
+                LeadEnd::Abandoned => {
+                    term.end();
+                    transition("stopped", "abandoned");
+                    tracing::warn!(token, "lease abandoned: it will expire on its own");
+                    break;
+                }
+            }
+        }
+        self.status.send_replace(Status::Stopped);
+        // Answer anything still queued so no caller waits forever.
+        self.cmds.close();
+        while let Some(c) = self.cmds.recv().await {
+            match c {
+                Command::Release(r) => {
+                    let _ = r.send(Err(StepDownError::Lost));
+                }
+                Command::StepDown(r) | Command::Abandon(r) | Command::Shutdown(r) => {
+                    let _ = r.send(());
+                }
+            }
+        }
+    }
+
+    /// "Finish the loss before contending again": wait until the consumer dropped the term.
+    async fn wait_term_dropped(&mut self, mut done: oneshot::Receiver<()>, token: u64) {
+        loop {
+            tokio::select! {
+                _ = &mut done => return,
+                () = sleep(Duration::from_secs(5)) => {
+                    tracing::warn!(token, "still waiting for the lost term to be dropped before contending again");
+                }
+                c = self.cmds.recv() => match c {
+                    Some(Command::Release(r)) => { let _ = r.send(Err(StepDownError::Lost)); }
+                    Some(Command::StepDown(r) | Command::Abandon(r) | Command::Shutdown(r)) => {
+                        self.stopping = true;
+                        let _ = r.send(());
+                    }
+                    None => self.stopping = true,
+                },
+            }
+        }
+    }
+
+    fn jittered_poll(&mut self) -> Duration {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        // 80 %..120 % of the poll interval.
+        let permille = 800 + self.rng % 401;
+        self.cfg.poll * u32::try_from(permille).unwrap_or(1000) / 1000
+    }
+
+    async fn call<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        // The backend enforces the op timeout itself; this is the supervisor's own belt.
+        let belt = self.cfg.op_timeout + Duration::from_millis(50);
+        timeout(belt, f)
+            .await
+            .unwrap_or(Err(BackendError::Timeout(belt)))
+    }
+
+    /// Standby: returns a new term, or `None` on shutdown.
+    async fn contend(&mut self) -> Option<(Term, oneshot::Receiver<()>)> {
+        let mut warned = false;
+        loop {
+            if self.stopping {
+                return None;
+            }
+            let wake = self.wake.clone();
+            let notified = wake.as_ref().map(|n| n.notified());
+            tokio::pin!(notified);
+            if let Some(n) = notified.as_mut().as_pin_mut() {
+                n.enable();
+            }
+            let sent = self.clock.now();
+            let r = self
+                .call(self.backend.acquire(&self.instance, self.cfg.ttl))
+                .await;
+            // A shutdown that arrived while the acquire was in flight wins, and whatever
+            // was just acquired is released.
+            while let Ok(c) = self.cmds.try_recv() {
+                self.standby_command(c);
+            }
+            match r {
+                Ok(Acquire::Acquired { token }) => {
+                    if self.stopping {
+                        let _ = self.call(self.backend.release(&self.instance)).await;
+                        tracing::info!(token, "released a lease acquired during shutdown");
+                        return None;
+                    }
+                    return Some(self.new_term(token, sent));
+                }
+                Ok(Acquire::Held { .. }) => warned = false,
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(error = %e, "cannot reach the lease store; retrying every poll interval");
+                        warned = true;
+                    }
+                }
+            }
+            let poll = self.jittered_poll();
+            tokio::select! {
+                () = sleep(poll) => {}
+                () = async { match notified.as_mut().as_pin_mut() { Some(n) => n.await, None => std::future::pending().await } } => {}
+                c = self.cmds.recv() => match c {
+                    Some(c) => self.standby_command(c),
+                    None => self.stopping = true,
+                },
+            }
+        }
+    }
+
+    fn standby_command(&mut self, c: Command) {
+        match c {
+            Command::Release(r) => {
+                self.stopping = true;
+                let _ = r.send(Ok(()));
+            }
+            Command::StepDown(r) | Command::Abandon(r) | Command::Shutdown(r) => {
+                self.stopping = true;
+                let _ = r.send(());
+            }
+        }
+    }
+
+    fn new_term(&mut self, token: u64, sent: Duration) -> (Term, oneshot::Receiver<()>) {
+        self.epoch += 1;
+        let (done_tx, done_rx) = oneshot::channel();
+        let deadline = sent + self.cfg.window();
+        let term = Term(Arc::new(TermInner {
+            instance: self.instance.clone(),
+            token,
+            epoch: self.epoch,
+            deadline_ns: AtomicU64::new(u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX)),
+            cancel: CancellationToken::new(),
+            clock: self.clock.clone(),
+            _done: done_tx,
+        }));
+        tracing::info!(token, epoch = self.epoch, "elected leader");
+        transition("leader", "acquired");
+        self.status.send_replace(Status::Leader { token });
+        let _ = self.events.send(LeaseEvent::Elected(term.clone()));
+        (term, done_rx)
+    }
+
+    async fn lead(&mut self, term: &Term) -> LeadEnd {
+        let token = term.token();
+        let mut next_renew = Instant::now() + self.cfg.renew_every;
+        let mut failing = false;
+        loop {
+            let left = term.remaining();
+            if left.is_zero() {
+                return LeadEnd::Lost(LossReason::Expired);
+            }
+            tokio::select! {
+                biased;
+                () = sleep(left) => {}
+                c = self.cmds.recv() => {
+                    let Some(c) = c else {
+                        // The handle is gone: nobody can drain; release what we hold.
+                        let _ = self.call(self.backend.release(&self.instance)).await;
+                        return LeadEnd::Released;
+                    };
+                    match c {
+                        Command::StepDown(r) => {
+                            self.stopping = true;
+                            self.status.send_replace(Status::SteppingDown { token });
+                            tracing::info!(token, "stepping down: renewing while the caller drains");
+                            let _ = r.send(());
+                        }
+                        Command::Release(r) => {
+                            self.stopping = true;
+                            let res = self.release(term).await;
+                            let _ = r.send(res.clone());
+                            return if res.is_ok() { LeadEnd::Released } else { LeadEnd::Abandoned };
+                        }
+                        Command::Abandon(r) => {
+                            self.stopping = true;
+                            term.end();
+                            let _ = r.send(());
+                            return LeadEnd::Abandoned;
+                        }
+                        Command::Shutdown(r) => {
+                            self.stopping = true;
+                            let res = self.release(term).await;
+                            let _ = r.send(());
+                            return if res.is_ok() { LeadEnd::Released } else { LeadEnd::Abandoned };
+                        }
+                    }
+                }
+                () = sleep_until(next_renew) => {
+                    next_renew = Instant::now() + self.cfg.renew_every;
+                    if let Some(end) = self.renew(term, &mut failing).await {
+                        return end;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One renewal, raced against the deadline. `Some` ends the term.
+    async fn renew(&mut self, term: &Term, failing: &mut bool) -> Option<LeadEnd> {
+        let token = term.token();
+        let epoch = term.epoch();
+        let sent = self.clock.now();
+        let started = Instant::now();
+        let r = tokio::select! {
+            biased;
+            () = sleep(term.remaining()) => return None,
+            r = self.call(self.backend.renew(&self.instance, token, self.cfg.ttl)) => r,
+        };
+        metrics::histogram!("firekeeper_lease_renew_seconds")
+            .record(started.elapsed().as_secs_f64());
+        // Replies are tied to the term they were sent for: a reply for an older epoch
+        // (impossible here since the future dies with its term, but cheap to check) is
+        // ignored rather than applied to the current term.
+        if epoch != self.epoch {
+            return None;
+        }
+        match r {
+            Ok(Renew::Renewed) => {
+                term.extend_to(sent + self.cfg.window());
+                if std::mem::take(failing) {
+                    tracing::info!(token, "lease renewals succeed again");
+                }
+                None
+            }
+            Ok(Renew::Retaken) => {
+                term.extend_to(sent + self.cfg.window());
+                *failing = false;
+                metrics::counter!("firekeeper_lease_retakes_total").increment(1);
+                tracing::warn!(
+                    token,
+                    "lease key had vanished with the fence unchanged; retook it with the same token"
+                );
+                None
+            }
+            Ok(Renew::Fenced { fence }) => Some(LeadEnd::Lost(LossReason::Fenced(fence))),
+            Ok(Renew::TakenBy { holder }) => Some(LeadEnd::Lost(LossReason::TakenBy(holder))),
+            Err(e) => {
+                let reason = match e {
+                    BackendError::Timeout(_) => "timeout",
+                    BackendError::Unavailable(_) => "unavailable",
+                    BackendError::Protocol(_) => "protocol",
+                };
+                metrics::counter!("firekeeper_lease_renew_errors_total", "reason" => reason)
+                    .increment(1);
+                if !std::mem::replace(failing, true) {
+                    tracing::warn!(token, error = %e, remaining_ms = term.remaining().as_millis() as u64, "lease renewal failed; leading until the deadline");
+                }
+                None
+            }
+        }
+    }
+
+    async fn release(&mut self, term: &Term) -> Result<(), StepDownError> {
+        let token = term.token();
+        if !term.is_active() {
+            return Err(StepDownError::Lost);
+        }
+        term.end();
+        match self.call(self.backend.release(&self.instance)).await {
+            Ok(true) => {
+                tracing::info!(token, "lease released");
+                Ok(())
+            }
+            Ok(false) => Err(StepDownError::Lost),
+            Err(e) => Err(StepDownError::ReleaseFailed(e)),
+        }
+    }
+}
