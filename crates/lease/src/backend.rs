@@ -71,11 +71,13 @@ pub struct Snapshot {
 
 /// A lease store. Every call is one atomic operation with a hard timeout.
 pub trait Backend: Send + Sync + 'static {
-    /// Takes the lease if free, issuing a fresh fencing token.
+    /// Takes the lease if free, issuing a fresh fencing token above the store's counter
+    /// and above `floor` (the highest token this process has seen).
     fn acquire(
         &self,
         instance: &str,
         ttl: Duration,
+        floor: u64,
     ) -> impl Future<Output = Result<Acquire, BackendError>> + Send;
     /// Extends our lease, or retakes it if it vanished and nobody was elected since.
     fn renew(

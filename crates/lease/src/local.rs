@@ -78,7 +78,7 @@ impl LocalBackend {
 }
 
 impl Backend for LocalBackend {
-    async fn acquire(&self, instance: &str, _ttl: Duration) -> Result<Acquire, BackendError> {
+    async fn acquire(&self, instance: &str, _ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let mut held = self
             .held
             .lock()
@@ -104,7 +104,7 @@ impl Backend for LocalBackend {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io("locking lock file", &e)),
         }
-        let token = self.read_fence()? + 1;
+        let token = self.read_fence()?.max(floor) + 1;
         self.write_fence(token)?;
         let value = format!("{instance}:{token}");
         f.set_len(0)

@@ -39,15 +39,16 @@ impl Keys {
     }
 }
 
-// KEYS: lease, fence, fence-seen. ARGV: instance, ttl ms.
-// The new token is above the counter and above every token a checkpoint has seen, so a
-// Redis that lost its counter (restart, FLUSHALL) can never reissue an old token.
+// KEYS: lease, fence, fence-seen. ARGV: instance, ttl ms, floor.
+// The new token is above the counter, above every token a checkpoint has seen, and above
+// the highest token the caller has ever seen, so a Redis that lost its data (restart,
+// FLUSHALL) can never reissue an old token while any replica remembers one.
 const ACQUIRE: &str = r"
 local holder = redis.call('GET', KEYS[1])
 if holder then return {0, holder} end
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local seen = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
-local token = math.max(fence, seen) + 1
+local token = math.max(fence, seen, tonumber(ARGV[3]) or 0) + 1
 local t = string.format('%d', token)
 redis.call('SET', KEYS[2], t)
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. t, 'PX', ARGV[2])
@@ -55,6 +56,8 @@ return {1, t}
 ";
 
 // KEYS: lease, fence. ARGV: '<instance>:<token>', ttl ms, token.
+// A vanished key is retaken when no term began since: the counter still equals our
+// token, or the counter is gone too (Redis lost its data; acquire always sets it).
 const RENEW: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
@@ -63,7 +66,8 @@ if v == ARGV[1] then
 end
 if not v then
   local f = redis.call('GET', KEYS[2])
-  if f == ARGV[3] then
+  if f == ARGV[3] or not f then
+    redis.call('SET', KEYS[2], ARGV[3])
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
     return {2, ''}
   end
@@ -260,7 +264,7 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl Backend for RedisBackend {
-    async fn acquire(&self, instance: &str, ttl: Duration) -> Result<Acquire, BackendError> {
+    async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let k = &self.keys;
         let v: Value = self
             .with_conn(|mut c| async move {
@@ -271,6 +275,7 @@ impl Backend for RedisBackend {
                     .key(&k.fence_seen)
                     .arg(instance)
                     .arg(ms(ttl))
+                    .arg(floor)
                     .invoke_async(&mut c)
                     .await
             })

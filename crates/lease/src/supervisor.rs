@@ -337,6 +337,7 @@ pub fn spawn_as<B: Backend>(
         epoch: 0,
         rng: seed | 1,
         stopping: false,
+        seen: 0,
     };
     let task = tokio::spawn(sup.run());
     Ok((
@@ -363,6 +364,8 @@ struct Supervisor<B> {
     rng: u64,
     /// A shutdown or step-down was asked for: never contend again.
     stopping: bool,
+    /// The highest token this process has held or seen another holder with.
+    seen: u64,
 }
 
 enum LeadEnd {
@@ -485,7 +488,7 @@ impl<B: Backend> Supervisor<B> {
             }
             let sent = self.clock.now();
             let r = self
-                .call(self.backend.acquire(&self.instance, self.cfg.ttl))
+                .call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen))
                 .await;
             // A shutdown that arrived while the acquire was in flight wins, and whatever
             // was just acquired is released.
@@ -501,7 +504,10 @@ impl<B: Backend> Supervisor<B> {
                     }
                     return Some(self.new_term(token, sent));
                 }
-                Ok(Acquire::Held { .. }) => warned = false,
+                Ok(Acquire::Held { holder }) => {
+                    warned = false;
+                    self.see(&holder);
+                }
                 Err(e) => {
                     if !warned {
                         tracing::warn!(error = %e, "cannot reach the lease store; retrying every poll interval");
@@ -521,6 +527,12 @@ impl<B: Backend> Supervisor<B> {
         }
     }
 
+    fn see(&mut self, holder: &str) {
+        if let Some((_, t)) = crate::backend::parse_holder(holder) {
+            self.seen = self.seen.max(t);
+        }
+    }
+
     fn standby_command(&mut self, c: Command) {
         match c {
             Command::Release(r) => {
@@ -536,6 +548,7 @@ impl<B: Backend> Supervisor<B> {
 
     fn new_term(&mut self, token: u64, sent: Duration) -> (Term, oneshot::Receiver<()>) {
         self.epoch += 1;
+        self.seen = self.seen.max(token);
         let (done_tx, done_rx) = oneshot::channel();
         let deadline = sent + self.cfg.window();
         let term = Term(Arc::new(TermInner {
@@ -647,7 +660,10 @@ impl<B: Backend> Supervisor<B> {
                 None
             }
             Ok(Renew::Fenced { fence }) => Some(LeadEnd::Lost(LossReason::Fenced(fence))),
-            Ok(Renew::TakenBy { holder }) => Some(LeadEnd::Lost(LossReason::TakenBy(holder))),
+            Ok(Renew::TakenBy { holder }) => {
+                self.see(&holder);
+                Some(LeadEnd::Lost(LossReason::TakenBy(holder)))
+            }
             Err(e) => {
                 let reason = match e {
                     BackendError::Timeout(_) => "timeout",
