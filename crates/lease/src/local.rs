@@ -78,7 +78,12 @@ impl LocalBackend {
 }
 
 impl Backend for LocalBackend {
-    async fn acquire(&self, instance: &str, _ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
+    async fn acquire(
+        &self,
+        instance: &str,
+        _ttl: Duration,
+        floor: u64,
+    ) -> Result<Acquire, BackendError> {
         let mut held = self
             .held
             .lock()

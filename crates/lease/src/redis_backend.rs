@@ -264,7 +264,12 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl Backend for RedisBackend {
-    async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
+    async fn acquire(
+        &self,
+        instance: &str,
+        ttl: Duration,
+        floor: u64,
+    ) -> Result<Acquire, BackendError> {
         let k = &self.keys;
         let v: Value = self
             .with_conn(|mut c| async move {

@@ -488,7 +488,10 @@ impl<B: Backend> Supervisor<B> {
             }
             let sent = self.clock.now();
             let r = self
-                .call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen))
+                .call(
+                    self.backend
+                        .acquire(&self.instance, self.cfg.ttl, self.seen),
+                )
                 .await;
             // A shutdown that arrived while the acquire was in flight wins, and whatever
             // was just acquired is released.
