@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Installs what the integration tests start themselves (redis-server, PostgreSQL server
-# binaries) when this machine lacks them. Tests never use a shared system instance: each
-# starts its own server on a free loopback port.
+# Installs what the integration tests start themselves (redis-server, the PostgreSQL
+# server binaries) when this machine lacks them. Tests never use a shared system
+# instance: each starts its own server on a free loopback port.
 set -euo pipefail
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 
 if ((${#need[@]})); then
   echo "ensure-deps: installing ${need[*]}"
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, Script, Value};
-use tokio::sync::{Mutex, Notify};
+use redis::{Script, Value};
+use redis_op::{Conn, OpError};
+use tokio::sync::Notify;
 
 use crate::backend::{Acquire, Backend, BackendError, Renew, Snapshot};
 
@@ -98,13 +98,11 @@ redis.call('SET', KEYS[1], s)
 return s
 ";
 
-/// The Redis backend. One multiplexed connection, replaced after any timeout or error;
-/// no offline queue, no retries.
+/// The Redis backend: every call one script through a [`redis_op::Conn`] (hard per-op
+/// timeout, no offline queue, no retries, reset after failure).
 pub struct RedisBackend {
-    client: redis::Client,
+    conn: Conn,
     keys: Keys,
-    op_timeout: Duration,
-    conn: Mutex<Option<MultiplexedConnection>>,
     scripts: Scripts,
     released: Arc<Notify>,
     listener: tokio::task::JoinHandle<()>,
@@ -131,43 +129,21 @@ impl Drop for RedisBackend {
     }
 }
 
-fn unavailable(e: &redis::RedisError) -> BackendError {
-    // The error text of redis-rs can include the URL for connection errors; keep only
-    // the kind and the server's code/detail.
-    let detail = e.code().map_or_else(
-        || format!("{:?}", e.kind()),
-        |c| format!("{c}: {}", e.detail().unwrap_or_default()),
-    );
-    BackendError::Unavailable(detail)
+impl From<OpError> for BackendError {
+    fn from(e: OpError) -> Self {
+        match e {
+            OpError::Timeout(d) => Self::Timeout(d),
+            OpError::Unavailable(s) => Self::Unavailable(s),
+        }
+    }
 }
 
 fn protocol(what: impl Into<String>) -> BackendError {
     BackendError::Protocol(what.into())
 }
 
-fn as_str(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::Int(i) => Some(i.to_string()),
-        _ => None,
-    }
-}
-
 fn pair(v: &Value) -> Result<(i64, String), BackendError> {
-    match v {
-        Value::Array(items) if items.len() == 2 => {
-            let Value::Int(code) = items[0] else {
-                return Err(protocol(format!("status not an integer: {v:?}")));
-            };
-            let s =
-                as_str(&items[1]).ok_or_else(|| protocol(format!("detail not a string: {v:?}")))?;
-            Ok((code, s))
-        }
-        other => Err(protocol(format!(
-            "expected a two-element array, got {other:?}"
-        ))),
-    }
+    redis_op::pair(v).map_err(BackendError::Protocol)
 }
 
 fn parse_u64(s: &str, what: &str) -> Result<u64, BackendError> {
@@ -178,20 +154,18 @@ fn parse_u64(s: &str, what: &str) -> Result<u64, BackendError> {
 impl RedisBackend {
     /// Connects lazily to `url` (credentials stay inside the client, never logged).
     pub fn new(url: &str, prefix: &str, op_timeout: Duration) -> Result<Self, BackendError> {
-        let client = redis::Client::open(url).map_err(|e| unavailable(&e))?;
+        let conn = Conn::open(url, op_timeout)?;
         let keys = Keys::new(prefix);
         let released = Arc::new(Notify::new());
         let listener = tokio::spawn(listen(
-            client.clone(),
+            conn.client().clone(),
             keys.channel.clone(),
             released.clone(),
             op_timeout,
         ));
         Ok(Self {
-            client,
+            conn,
             keys,
-            op_timeout,
-            conn: Mutex::new(None),
             scripts: Scripts {
                 acquire: Script::new(ACQUIRE),
                 renew: Script::new(RENEW),
@@ -209,53 +183,12 @@ impl RedisBackend {
         &self.keys
     }
 
-    /// Runs `f` on a connection under the op timeout; drops the connection on failure.
     async fn with_conn<T, F, Fut>(&self, f: F) -> Result<T, BackendError>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: FnOnce(redis::aio::MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        let run = async {
-            let conn = {
-                let mut guard = self.conn.lock().await;
-                if let Some(c) = guard.as_ref() {
-                    c.clone()
-                } else {
-                    let cfg = AsyncConnectionConfig::new()
-                        .set_connection_timeout(Some(self.op_timeout))
-                        .set_response_timeout(Some(self.op_timeout));
-                    let c = self
-                        .client
-                        .get_multiplexed_async_connection_with_config(&cfg)
-                        .await
-                        .map_err(|e| unavailable(&e))?;
-                    *guard = Some(c.clone());
-                    c
-                }
-            };
-            f(conn).await.map_err(|e| unavailable(&e))
-        };
-        match tokio::time::timeout(self.op_timeout, run).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => {
-                *self.conn.lock().await = None;
-                Err(e)
-            }
-            Err(_) => {
-                *self.conn.lock().await = None;
-                Err(BackendError::Timeout(self.op_timeout))
-            }
-        }
-    }
-
-    /// Answers whether `token` is the current holder's token, for fenced writes by other
-    /// components and for tests.
-    pub async fn holder_token(&self) -> Result<Option<u64>, BackendError> {
-        let s = self.snapshot().await?;
-        Ok(s.holder
-            .as_deref()
-            .and_then(crate::backend::parse_holder)
-            .map(|(_, t)| t))
+        Ok(self.conn.run(f).await?)
     }
 }
 

@@ -2,6 +2,8 @@
 //!
 //! - [`RedisServer`]: a real `redis-server` child process on a free loopback port, which a
 //!   test can kill, pause (SIGSTOP), resume and restart on the same port.
+//! - [`PgServer`]: a real PostgreSQL server in a temporary data directory (run as the
+//!   `postgres` user when the tests run as root, since PostgreSQL refuses root).
 //! - [`TcpProxy`]: a loopback TCP proxy that can cut the link or add latency, to separate
 //!   one client from a server while others still reach it.
 
@@ -269,5 +271,164 @@ async fn pump(
         if w.write_all(&buf[..n]).await.is_err() {
             return;
         }
+    }
+}
+
+/// A PostgreSQL server owned by one test (binary), in its own data directory.
+pub struct PgServer {
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+fn pg_bin(name: &str) -> std::path::PathBuf {
+    let mut dirs: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .map(|e| e.path().join("bin").join(name))
+                .filter(|p| p.exists())
+                .collect()
+        })
+        .unwrap_or_default();
+    dirs.sort();
+    dirs.pop().unwrap_or_else(|| name.into())
+}
+
+/// uid and gid of the `postgres` user, when we are root (PostgreSQL refuses to run as root).
+fn postgres_ids() -> Option<(u32, u32)> {
+    let me = Command::new("id").arg("-u").output().ok()?;
+    if String::from_utf8_lossy(&me.stdout).trim() != "0" {
+        return None;
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.first() == Some(&"postgres"))
+            .then(|| Some((f.get(2)?.parse().ok()?, f.get(3)?.parse().ok()?)))
+            .flatten()
+    })
+}
+
+fn as_postgres(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    if let Some((uid, gid)) = postgres_ids() {
+        cmd.uid(uid).gid(gid);
+    }
+    cmd
+}
+
+impl PgServer {
+    /// initdb + start on a free port; waits until it accepts connections.
+    #[must_use]
+    pub fn start() -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("fk-pg-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("pg dir");
+        if let Some((uid, gid)) = postgres_ids() {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).expect("chown pg dir");
+        }
+        let data = dir.join("data");
+        let ok = as_postgres(&mut Command::new(pg_bin("initdb")))
+            .args([
+                "-D",
+                &data.to_string_lossy(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("initdb (scripts/ensure-deps.sh installs PostgreSQL)");
+        assert!(ok.success(), "initdb failed");
+        let mut s = Self {
+            port,
+            dir,
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let data = self.dir.join("data");
+        let child = as_postgres(&mut Command::new(pg_bin("postgres")))
+            .args([
+                "-D",
+                &data.to_string_lossy(),
+                "-p",
+                &self.port.to_string(),
+                "-k",
+                &self.dir.to_string_lossy(),
+            ])
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+                "-c",
+                "full_page_writes=off",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("postgres");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let ready = Command::new(pg_bin("pg_isready"))
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-U",
+                    "postgres",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ready {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("postgres on port {} did not start", self.port);
+    }
+
+    /// `postgres://postgres@127.0.0.1:<port>/postgres`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops the server at once (immediate shutdown); [`PgServer::restart`] brings it back
+    /// with its data.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-QUIT", &c.id().to_string()])
+                .status();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port and data.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

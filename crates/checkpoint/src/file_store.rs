@@ -1,0 +1,110 @@
+//! The embedded default: one small file per relay in a directory, replaced atomically
+//! (write a temp file, fsync, rename over, fsync the directory), fenced by the local
+//! lease lock file, which holds `<instance>:<token>` of the current holder.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use tokio::sync::Mutex;
+
+use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
+
+/// Cursors in files.
+#[derive(Debug)]
+pub struct FileStore {
+    dir: PathBuf,
+    lease_file: PathBuf,
+    /// Serialises commits of this process (a read-compare-replace must not interleave).
+    lock: Mutex<()>,
+}
+
+fn io(what: &str, path: &Path, e: &std::io::Error) -> StoreError {
+    StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
+}
+
+impl FileStore {
+    /// Cursors under `dir`, fenced by the lease lock file `lease_file`.
+    pub fn new(dir: &Path, lease_file: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, &e))?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            lease_file: lease_file.to_owned(),
+            lock: Mutex::new(()),
+        })
+    }
+
+    fn path(&self, fingerprint: &str) -> PathBuf {
+        self.dir.join(format!("cursor-{fingerprint}"))
+    }
+
+    fn read_sync(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        let p = self.path(fingerprint);
+        match std::fs::read(&p) {
+            Ok(b) => {
+                let out = cursor::classify(Some(&b));
+                if let ReadOutcome::Corrupt(v) = &out {
+                    tracing::error!(relay = fingerprint, value = %v, "stored cursor is corrupt; treating it as missing");
+                }
+                Ok(out)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(ReadOutcome::Missing),
+            Err(e) => Err(io("reading", &p, &e)),
+        }
+    }
+
+    /// Reads a relay's cursor.
+    pub async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        self.read_sync(fingerprint)
+    }
+
+    fn holder_token(&self) -> Result<Option<u64>, StoreError> {
+        match std::fs::read_to_string(&self.lease_file) {
+            Ok(s) => Ok(s.trim().rsplit_once(':').and_then(|(_, t)| t.parse().ok())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io("reading", &self.lease_file, &e)),
+        }
+    }
+
+    fn replace(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        let p = self.path(fingerprint);
+        let tmp = self.dir.join(format!(".cursor-{fingerprint}.tmp"));
+        let mut f = File::create(&tmp).map_err(|e| io("creating", &tmp, &e))?;
+        f.write_all(cursor.to_string().as_bytes())
+            .and_then(|()| f.sync_all())
+            .map_err(|e| io("writing", &tmp, &e))?;
+        std::fs::rename(&tmp, &p).map_err(|e| io("renaming", &p, &e))?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io("syncing", &self.dir, &e))
+    }
+
+    /// Commits `cursor` under lease token `token`.
+    pub async fn commit(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
+        let _g = self.lock.lock().await;
+        let holder = self.holder_token()?;
+        if holder != Some(token) {
+            return Ok(CommitOutcome::Fenced { current: holder });
+        }
+        if let ReadOutcome::Found(stored) = self.read_sync(fingerprint)? {
+            if stored >= cursor {
+                return Ok(CommitOutcome::NotNewer { stored });
+            }
+        }
+        self.replace(fingerprint, cursor)?;
+        Ok(CommitOutcome::Saved)
+    }
+
+    /// Operator override (`firekeeper cursor set`).
+    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        cursor::check(cursor)?;
+        let _g = self.lock.lock().await;
+        self.replace(fingerprint, cursor)
+    }
+}

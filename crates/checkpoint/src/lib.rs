@@ -1,0 +1,25 @@
+//! Relay cursors: where each relay's stream was processed up to, stored so that only the
+//! current lease holder can move it, and only forward.
+//!
+//! # Layout
+//! - [`cursor`]: the stored form (a decimal string ≤ 2^53-1) and read outcomes.
+//! - [`redis_store`]: one Lua script per commit that checks the lease token.
+//! - [`file_store`]: the embedded default (temp file, fsync, rename, fsync dir), fenced by
+//!   the local lease file.
+//! - [`postgres_store`]: a table from `migrations/`, usable inside a caller's transaction.
+//! - [`watermark`]: the highest seq at or below which every delivered event is done.
+//!
+//! Keys are scoped to a relay *fingerprint*, never a URL: every relay numbers its own
+//! sequence, and URLs may carry credentials. Nothing here knows about WebSockets.
+
+pub mod cursor;
+pub mod file_store;
+pub mod postgres_store;
+pub mod redis_store;
+pub mod watermark;
+
+pub use cursor::{CommitOutcome, MAX_CURSOR, ReadOutcome, StoreError};
+pub use file_store::FileStore;
+pub use postgres_store::PostgresStore;
+pub use redis_store::{RedisKeys, RedisStore};
+pub use watermark::Watermark;

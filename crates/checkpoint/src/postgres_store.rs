@@ -1,0 +1,213 @@
+//! The Postgres cursor store, for deployments whose sink writes to the same database:
+//! rows and cursor then commit in one transaction ([`PostgresStore::commit_in`]).
+//!
+//! Postgres does not see the Redis lease, so fencing here is the classic fencing-token
+//! rule: the store remembers the highest token presented and refuses any lower one. A new
+//! leader calls [`PostgresStore::claim`] on election, after which every commit of an
+//! older term is refused — and an older term has stopped acting before the new one could
+//! be elected (the lease deadline ends it `margin` before the key can expire).
+
+use std::time::Duration;
+
+use tokio_postgres::{Client, GenericClient, NoTls};
+
+use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
+
+/// The schema, from `migrations/`.
+pub const MIGRATION: &str = include_str!("../../../migrations/0001_cursors.sql");
+
+/// Cursors in Postgres.
+#[derive(Debug)]
+pub struct PostgresStore {
+    client: tokio::sync::Mutex<Client>,
+    op_timeout: Duration,
+}
+
+fn pg(e: &tokio_postgres::Error) -> StoreError {
+    // The error's Display never includes the connection string.
+    StoreError::Unavailable(e.to_string())
+}
+
+fn as_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn as_u64(v: i64, what: &str) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(|_| StoreError::Protocol(format!("{what} {v} is negative")))
+}
+
+async fn within<T>(
+    d: Duration,
+    f: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(d, f)
+        .await
+        .unwrap_or_else(|_| Err(StoreError::Unavailable(format!("timed out after {d:?}"))))
+}
+
+impl PostgresStore {
+    /// Connects (`DATABASE_URL` form) and applies the migration.
+    pub async fn connect(url: &str, op_timeout: Duration) -> Result<Self, StoreError> {
+        let (client, conn) = within(op_timeout.max(Duration::from_secs(5)), async {
+            tokio_postgres::connect(url, NoTls)
+                .await
+                .map_err(|e| pg(&e))
+        })
+        .await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::error!(error = %e, "postgres connection ended");
+            }
+        });
+        client.batch_execute(MIGRATION).await.map_err(|e| pg(&e))?;
+        Ok(Self {
+            client: tokio::sync::Mutex::new(client),
+            op_timeout,
+        })
+    }
+
+    /// Reads a relay's cursor.
+    pub async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        let c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let row = c
+                .query_opt(
+                    "SELECT cursor FROM firekeeper_cursors WHERE relay = $1",
+                    &[&fingerprint],
+                )
+                .await
+                .map_err(|e| pg(&e))?;
+            match row {
+                None => Ok(ReadOutcome::Missing),
+                Some(r) => {
+                    let v: i64 = r.get(0);
+                    Ok(u64::try_from(v)
+                        .ok()
+                        .filter(|&v| v <= cursor::MAX_CURSOR)
+                        .map_or_else(|| ReadOutcome::Corrupt(v.to_string()), ReadOutcome::Found))
+                }
+            }
+        })
+        .await
+    }
+
+    /// Raises the fence to `token` on election; `Fenced` if a newer term already claimed.
+    pub async fn claim(&self, token: u64) -> Result<CommitOutcome, StoreError> {
+        let mut c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let out = fence(&tx, token).await?;
+            tx.commit().await.map_err(|e| pg(&e))?;
+            Ok(
+                out.map_or(CommitOutcome::Saved, |current| CommitOutcome::Fenced {
+                    current: Some(current),
+                }),
+            )
+        })
+        .await
+    }
+
+    /// Commits `cursor` under `token` in its own transaction.
+    pub async fn commit(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        let mut c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let out = Self::commit_in(&tx, fingerprint, cursor, token).await?;
+            tx.commit().await.map_err(|e| pg(&e))?;
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Commits inside the caller's transaction (e.g. with the sink's rows). On `Fenced`
+    /// the caller must roll back: its rows belong to a superseded term.
+    pub async fn commit_in(
+        tx: &impl GenericClient,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
+        if let Some(current) = fence(tx, token).await? {
+            return Ok(CommitOutcome::Fenced {
+                current: Some(current),
+            });
+        }
+        let n = tx
+            .execute(
+                "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
+                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()
+                 WHERE firekeeper_cursors.cursor < EXCLUDED.cursor",
+                &[&fingerprint, &as_i64(cursor), &as_i64(token)],
+            )
+            .await
+            .map_err(|e| pg(&e))?;
+        if n == 1 {
+            return Ok(CommitOutcome::Saved);
+        }
+        let stored: i64 = tx
+            .query_one(
+                "SELECT cursor FROM firekeeper_cursors WHERE relay = $1",
+                &[&fingerprint],
+            )
+            .await
+            .map_err(|e| pg(&e))?
+            .get(0);
+        Ok(CommitOutcome::NotNewer {
+            stored: as_u64(stored, "cursor")?,
+        })
+    }
+
+    /// Operator override (`firekeeper cursor set`).
+    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        cursor::check(cursor)?;
+        let c = self.client.lock().await;
+        within(self.op_timeout, async {
+            c.execute(
+                "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, 0)
+                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, updated_at = now()",
+                &[&fingerprint, &as_i64(cursor)],
+            )
+            .await
+            .map_err(|e| pg(&e))?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+/// Locks the fence row; raises it to `token`, or returns the higher current token.
+async fn fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
+    tx.execute(
+        "INSERT INTO firekeeper_fence (id, token) VALUES (true, 0) ON CONFLICT (id) DO NOTHING",
+        &[],
+    )
+    .await
+    .map_err(|e| pg(&e))?;
+    let current: i64 = tx
+        .query_one(
+            "SELECT token FROM firekeeper_fence WHERE id FOR UPDATE",
+            &[],
+        )
+        .await
+        .map_err(|e| pg(&e))?
+        .get(0);
+    let current = as_u64(current, "fence token")?;
+    if token < current {
+        return Ok(Some(current));
+    }
+    if token > current {
+        tx.execute(
+            "UPDATE firekeeper_fence SET token = $1 WHERE id",
+            &[&as_i64(token)],
+        )
+        .await
+        .map_err(|e| pg(&e))?;
+    }
+    Ok(None)
+}

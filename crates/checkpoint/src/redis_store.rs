@@ -1,0 +1,266 @@
+//! The Redis cursor store. A commit is one Lua script that checks the lease still holds
+//! the committer's token, never moves the cursor backwards, and records the highest
+//! token seen (so a Redis that lost its fence counter cannot reissue old tokens).
+
+use std::time::Duration;
+
+use redis::{Script, Value};
+use redis_op::{Conn, OpError};
+
+use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
+
+/// Key names. The lease key and the fence-seen key come from the lease configuration,
+/// so both crates agree without depending on each other.
+#[derive(Debug, Clone)]
+pub struct RedisKeys {
+    /// The lease key (`<instance>:<token>`).
+    pub lease: String,
+    /// Highest token any commit presented.
+    pub fence_seen: String,
+    /// Cursor keys are `<cursor_prefix><fingerprint>`; use the lease's hash tag, e.g.
+    /// `{firekeeper}:cursor:`, so scripts touching both work on Redis Cluster.
+    pub cursor_prefix: String,
+    /// Legacy cursors were `<legacy_prefix>:<host>`; `None` disables migration.
+    pub legacy_prefix: Option<String>,
+}
+
+impl RedisKeys {
+    /// Keys under `{<prefix>}:` (the same hash tag as the lease).
+    #[must_use]
+    pub fn new(prefix: &str, legacy_prefix: Option<&str>) -> Self {
+        Self {
+            lease: format!("{{{prefix}}}:lease"),
+            fence_seen: format!("{{{prefix}}}:fence-seen"),
+            cursor_prefix: format!("{{{prefix}}}:cursor:"),
+            legacy_prefix: legacy_prefix.map(str::to_owned),
+        }
+    }
+
+    /// The cursor key of a relay fingerprint.
+    #[must_use]
+    pub fn cursor(&self, fingerprint: &str) -> String {
+        format!("{}{fingerprint}", self.cursor_prefix)
+    }
+}
+
+const HELPERS: &str = r"
+local function valid(v)
+  if not v or string.len(v) == 0 or string.len(v) > 16 then return false end
+  if not string.match(v, '^[0-9]+$') then return false end
+  if v ~= '0' and string.sub(v, 1, 1) == '0' then return false end
+  if string.len(v) < 16 then return true end
+  return v <= '9007199254740991'
+end
+local function gt(a, b)
+  if string.len(a) ~= string.len(b) then return string.len(a) > string.len(b) end
+  return a > b
+end
+";
+
+// KEYS: lease, cursor, fence-seen. ARGV: token, cursor.
+const COMMIT: &str = r"
+local h = redis.call('GET', KEYS[1])
+local t = h and string.match(h, ':([0-9]+)$')
+if t ~= ARGV[1] then return {3, t or ''} end
+local cur = redis.call('GET', KEYS[2])
+if valid(cur) and not gt(ARGV[2], cur) then return {2, cur} end
+redis.call('SET', KEYS[2], ARGV[2])
+local seen = redis.call('GET', KEYS[3])
+if not valid(seen) or gt(ARGV[1], seen) then redis.call('SET', KEYS[3], ARGV[1]) end
+return {1, ''}
+";
+
+// KEYS: legacy, cursor. Atomic max of the legacy value into the new key.
+// Returns {0, ''} when there is no valid legacy value, else {1, legacy value}.
+const MIGRATE: &str = r"
+local old = redis.call('GET', KEYS[1])
+if not valid(old) then return {0, old or ''} end
+local new = redis.call('GET', KEYS[2])
+if not valid(new) or gt(old, new) then redis.call('SET', KEYS[2], old) end
+return {1, old}
+";
+
+// KEYS: legacy. ARGV: the value seen. Deletes only if unchanged since.
+const DELETE_IF: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+";
+
+/// Cursors in Redis.
+#[derive(Debug)]
+pub struct RedisStore {
+    conn: Conn,
+    keys: RedisKeys,
+    commit: Script,
+    migrate: Script,
+    delete_if: Script,
+}
+
+fn err(e: OpError) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+impl RedisStore {
+    /// A store on `url` with a hard per-call timeout.
+    pub fn new(url: &str, keys: RedisKeys, op_timeout: Duration) -> Result<Self, StoreError> {
+        Ok(Self {
+            conn: Conn::open(url, op_timeout).map_err(err)?,
+            keys,
+            commit: Script::new(&format!("{HELPERS}{COMMIT}")),
+            migrate: Script::new(&format!("{HELPERS}{MIGRATE}")),
+            delete_if: Script::new(DELETE_IF),
+        })
+    }
+
+    /// The key names.
+    #[must_use]
+    pub fn keys(&self) -> &RedisKeys {
+        &self.keys
+    }
+
+    /// Reads a relay's cursor. Unavailable is an error: never subscribe on a guess.
+    pub async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        let key = self.keys.cursor(fingerprint);
+        let raw: Option<Vec<u8>> = self
+            .conn
+            .run(|mut c| async move { redis::cmd("GET").arg(&key).query_async(&mut c).await })
+            .await
+            .map_err(err)?;
+        let out = cursor::classify(raw.as_deref());
+        if let ReadOutcome::Corrupt(p) = &out {
+            tracing::error!(relay = fingerprint, value = %p, "stored cursor is corrupt; treating it as missing");
+        }
+        Ok(out)
+    }
+
+    /// Commits `cursor` for a relay under lease token `token`.
+    pub async fn commit(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
+        let k = &self.keys;
+        let key = k.cursor(fingerprint);
+        let v: Value = self
+            .conn
+            .run(|mut c| async move {
+                self.commit
+                    .key(&k.lease)
+                    .key(&key)
+                    .key(&k.fence_seen)
+                    .arg(token)
+                    .arg(cursor)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(err)?;
+        match redis_op::pair(&v).map_err(StoreError::Protocol)? {
+            (1, _) => Ok(CommitOutcome::Saved),
+            (2, stored) => Ok(CommitOutcome::NotNewer {
+                stored: cursor::parse(stored.as_bytes())
+                    .ok_or_else(|| StoreError::Protocol(format!("stored {stored:?}")))?,
+            }),
+            (3, holder) => Ok(CommitOutcome::Fenced {
+                current: holder.parse().ok(),
+            }),
+            other => Err(StoreError::Protocol(format!("commit answered {other:?}"))),
+        }
+    }
+
+    /// Operator override (`firekeeper cursor set`): writes the cursor unconditionally.
+    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        cursor::check(cursor)?;
+        let key = self.keys.cursor(fingerprint);
+        self.conn
+            .run(|mut c| async move {
+                redis::cmd("SET")
+                    .arg(&key)
+                    .arg(cursor)
+                    .query_async::<()>(&mut c)
+                    .await
+            })
+            .await
+            .map_err(err)
+    }
+
+    /// Migrates a legacy `<legacy_prefix>:<host>` cursor into the fingerprint key.
+    ///
+    /// Only for root relay URLs (`is_root`): on a URL with a path the host key is
+    /// ambiguous and an existing one is an error telling the operator to preseed. The
+    /// new key never moves backwards; the old key is deleted only after a re-read shows
+    /// the new key at or beyond it, and only if nobody changed it meanwhile.
+    /// Returns the migrated legacy value, if any.
+    pub async fn migrate_legacy(
+        &self,
+        fingerprint: &str,
+        host: &str,
+        is_root: bool,
+    ) -> Result<Option<u64>, StoreError> {
+        let Some(prefix) = &self.keys.legacy_prefix else {
+            return Ok(None);
+        };
+        let legacy = &format!("{prefix}:{host}");
+        let new = &self.keys.cursor(fingerprint);
+        if !is_root {
+            let exists: bool =
+                self.conn
+                    .run(|mut c| async move {
+                        redis::cmd("EXISTS").arg(legacy).query_async(&mut c).await
+                    })
+                    .await
+                    .map_err(err)?;
+            return if exists {
+                Err(StoreError::LegacyAmbiguous {
+                    host: host.to_owned(),
+                })
+            } else {
+                Ok(None)
+            };
+        }
+        let v: Value = self
+            .conn
+            .run(
+                |mut c| async move { self.migrate.key(legacy).key(new).invoke_async(&mut c).await },
+            )
+            .await
+            .map_err(err)?;
+        let (code, old) = redis_op::pair(&v).map_err(StoreError::Protocol)?;
+        if code == 0 {
+            if !old.is_empty() {
+                tracing::error!(host, value = %cursor::preview(old.as_bytes()), "legacy cursor is corrupt; not migrated");
+            }
+            return Ok(None);
+        }
+        let old = &old;
+        let old_v = cursor::parse(old.as_bytes())
+            .ok_or_else(|| StoreError::Protocol(format!("legacy {old:?}")))?;
+        match self.read(fingerprint).await? {
+            ReadOutcome::Found(n) if n >= old_v => {}
+            other => {
+                return Err(StoreError::Protocol(format!(
+                    "after migrating {old_v}, the new key reads {other:?}"
+                )));
+            }
+        }
+        let _: i64 = self
+            .conn
+            .run(|mut c| async move {
+                self.delete_if
+                    .key(legacy)
+                    .arg(old)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(err)?;
+        tracing::info!(
+            relay = fingerprint,
+            cursor = old_v,
+            "migrated legacy host-keyed cursor"
+        );
+        Ok(Some(old_v))
+    }
+}

@@ -1,0 +1,151 @@
+//! One Redis connection with a hard timeout on every operation.
+//!
+//! The lease and the cursor store must never wait on Redis longer than they planned to:
+//! each call gets `op_timeout` for connecting and answering together, there is no
+//! offline queue and no retry, and after any timeout or error the connection is dropped
+//! so the next call starts on a fresh one (a half-dead socket is never reused).
+
+use std::future::Future;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Value};
+use tokio::sync::Mutex;
+
+/// Why an operation failed. The outcome of a timed-out write is unknown.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpError {
+    /// Connecting plus answering took longer than the op timeout.
+    #[error("redis call timed out after {0:?}")]
+    Timeout(Duration),
+    /// Connection refused, reset, or the server answered an error (e.g. NOPERM).
+    #[error("redis unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// A lazily (re)connected multiplexed connection.
+pub struct Conn {
+    client: redis::Client,
+    op_timeout: Duration,
+    conn: Mutex<Option<MultiplexedConnection>>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("op_timeout", &self.op_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Describes a redis error without the URL (which may hold a password).
+#[must_use]
+pub fn describe(e: &redis::RedisError) -> String {
+    e.code().map_or_else(
+        || format!("{:?}", e.kind()),
+        |c| format!("{c}: {}", e.detail().unwrap_or_default()),
+    )
+}
+
+impl Conn {
+    /// A connection to `url`; nothing is opened until the first call.
+    pub fn open(url: &str, op_timeout: Duration) -> Result<Self, OpError> {
+        let client = redis::Client::open(url).map_err(|e| OpError::Unavailable(describe(&e)))?;
+        Ok(Self {
+            client,
+            op_timeout,
+            conn: Mutex::new(None),
+        })
+    }
+
+    /// The underlying client (for pub/sub, which needs its own connection).
+    #[must_use]
+    pub fn client(&self) -> &redis::Client {
+        &self.client
+    }
+
+    /// The per-operation budget.
+    #[must_use]
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
+    /// Runs one operation under the op timeout; drops the connection on any failure.
+    pub async fn run<T, F, Fut>(&self, f: F) -> Result<T, OpError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        let attempt = async {
+            let conn = {
+                let mut guard = self.conn.lock().await;
+                if let Some(c) = guard.as_ref() {
+                    c.clone()
+                } else {
+                    let cfg = AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.op_timeout))
+                        .set_response_timeout(Some(self.op_timeout));
+                    let c = self
+                        .client
+                        .get_multiplexed_async_connection_with_config(&cfg)
+                        .await
+                        .map_err(|e| OpError::Unavailable(describe(&e)))?;
+                    *guard = Some(c.clone());
+                    c
+                }
+            };
+            f(conn)
+                .await
+                .map_err(|e| OpError::Unavailable(describe(&e)))
+        };
+        let r = match tokio::time::timeout(self.op_timeout, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(OpError::Timeout(self.op_timeout)),
+        };
+        if r.is_err() {
+            *self.conn.lock().await = None;
+        }
+        r
+    }
+}
+
+/// Reads a script's `{code, detail}` reply.
+pub fn pair(v: &Value) -> Result<(i64, String), String> {
+    match v {
+        Value::Array(items) if items.len() == 2 => {
+            let Value::Int(code) = items[0] else {
+                return Err(format!("status not an integer: {v:?}"));
+            };
+            let detail = match &items[1] {
+                Value::BulkString(b) => {
+                    String::from_utf8(b.clone()).map_err(|_| format!("detail not UTF-8: {v:?}"))?
+                }
+                Value::SimpleString(s) => s.clone(),
+                Value::Int(i) => i.to_string(),
+                _ => return Err(format!("detail not a string: {v:?}")),
+            };
+            Ok((code, detail))
+        }
+        other => Err(format!("expected a two-element array, got {other:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_replies_that_are_not_code_detail_pairs_are_errors() {
+        let ok = Value::Array(vec![Value::Int(2), Value::BulkString(b"17".to_vec())]);
+        assert_eq!(pair(&ok), Ok((2, "17".to_owned())));
+        for bad in [
+            Value::SimpleString("OK".into()),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::BulkString(b"1".to_vec()), Value::Int(1)]),
+            Value::Array(vec![Value::Int(1), Value::BulkString(vec![0xff])]),
+            Value::Nil,
+        ] {
+            assert!(pair(&bad).is_err(), "{bad:?}");
+        }
+    }
+}
