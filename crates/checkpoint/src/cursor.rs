@@ -63,18 +63,12 @@ pub enum StoreError {
 /// zeros, no whitespace.
 #[must_use]
 pub fn parse(raw: &[u8]) -> Option<u64> {
-    let ok = !raw.is_empty()
-        && raw.len() <= 16
-        && raw.iter().all(u8::is_ascii_digit)
-        && (raw == b"0" || raw[0] != b'0');
+    let ok =
+        !raw.is_empty() && raw.len() <= 16 && raw.iter().all(u8::is_ascii_digit) && (raw == b"0" || raw[0] != b'0');
     if !ok {
         return None;
     }
-    std::str::from_utf8(raw)
-        .ok()?
-        .parse::<u64>()
-        .ok()
-        .filter(|&v| v <= MAX_CURSOR)
+    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().filter(|&v| v <= MAX_CURSOR)
 }
 
 /// Classifies a raw stored value.
@@ -89,26 +83,13 @@ pub fn classify(raw: Option<&[u8]>) -> ReadOutcome {
 /// A short escaped preview of a bad value, safe for a log line.
 #[must_use]
 pub fn preview(b: &[u8]) -> String {
-    let s: String = b
-        .iter()
-        .take(24)
-        .flat_map(|&c| std::ascii::escape_default(c))
-        .map(char::from)
-        .collect();
-    if b.len() > 24 {
-        format!("{s}… ({} bytes)", b.len())
-    } else {
-        s
-    }
+    let s: String = b.iter().take(24).flat_map(|&c| std::ascii::escape_default(c)).map(char::from).collect();
+    if b.len() > 24 { format!("{s}… ({} bytes)", b.len()) } else { s }
 }
 
 /// Fails for cursors above [`MAX_CURSOR`].
 pub fn check(cursor: u64) -> Result<(), StoreError> {
-    if cursor > MAX_CURSOR {
-        Err(StoreError::OutOfRange(cursor))
-    } else {
-        Ok(())
-    }
+    if cursor > MAX_CURSOR { Err(StoreError::OutOfRange(cursor)) } else { Ok(()) }
 }
 
 #[cfg(test)]
@@ -135,8 +116,6 @@ mod tests {
         }
         assert_eq!(classify(Some(b"12")), ReadOutcome::Found(12));
         assert_eq!(classify(None), ReadOutcome::Missing);
-        assert!(
-            matches!(classify(Some(&[b'x'; 100])), ReadOutcome::Corrupt(p) if p.contains("100 bytes"))
-        );
+        assert!(matches!(classify(Some(&[b'x'; 100])), ReadOutcome::Corrupt(p) if p.contains("100 bytes")));
     }
 }

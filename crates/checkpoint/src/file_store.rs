@@ -27,11 +27,7 @@ impl FileStore {
     /// Cursors under `dir`, fenced by the lease lock file `lease_file`.
     pub fn new(dir: &Path, lease_file: &Path) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, &e))?;
-        Ok(Self {
-            dir: dir.to_owned(),
-            lease_file: lease_file.to_owned(),
-            lock: Mutex::new(()),
-        })
+        Ok(Self { dir: dir.to_owned(), lease_file: lease_file.to_owned(), lock: Mutex::new(()) })
     }
 
     fn path(&self, fingerprint: &str) -> PathBuf {
@@ -70,22 +66,13 @@ impl FileStore {
         let p = self.path(fingerprint);
         let tmp = self.dir.join(format!(".cursor-{fingerprint}.tmp"));
         let mut f = File::create(&tmp).map_err(|e| io("creating", &tmp, &e))?;
-        f.write_all(cursor.to_string().as_bytes())
-            .and_then(|()| f.sync_all())
-            .map_err(|e| io("writing", &tmp, &e))?;
+        f.write_all(cursor.to_string().as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing", &tmp, &e))?;
         std::fs::rename(&tmp, &p).map_err(|e| io("renaming", &p, &e))?;
-        File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| io("syncing", &self.dir, &e))
+        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing", &self.dir, &e))
     }
 
     /// Commits `cursor` under lease token `token`.
-    pub async fn commit(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        token: u64,
-    ) -> Result<CommitOutcome, StoreError> {
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
         let _g = self.lock.lock().await;
         let holder = self.holder_token()?;

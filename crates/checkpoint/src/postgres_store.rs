@@ -36,22 +36,15 @@ fn as_u64(v: i64, what: &str) -> Result<u64, StoreError> {
     u64::try_from(v).map_err(|_| StoreError::Protocol(format!("{what} {v} is negative")))
 }
 
-async fn within<T>(
-    d: Duration,
-    f: impl std::future::Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout(d, f)
-        .await
-        .unwrap_or_else(|_| Err(StoreError::Unavailable(format!("timed out after {d:?}"))))
+async fn within<T>(d: Duration, f: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    tokio::time::timeout(d, f).await.unwrap_or_else(|_| Err(StoreError::Unavailable(format!("timed out after {d:?}"))))
 }
 
 impl PostgresStore {
     /// Connects (`DATABASE_URL` form) and applies the migration.
     pub async fn connect(url: &str, op_timeout: Duration) -> Result<Self, StoreError> {
         let (client, conn) = within(op_timeout.max(Duration::from_secs(5)), async {
-            tokio_postgres::connect(url, NoTls)
-                .await
-                .map_err(|e| pg(&e))
+            tokio_postgres::connect(url, NoTls).await.map_err(|e| pg(&e))
         })
         .await?;
         tokio::spawn(async move {
@@ -60,10 +53,7 @@ impl PostgresStore {
             }
         });
         client.batch_execute(MIGRATION).await.map_err(|e| pg(&e))?;
-        Ok(Self {
-            client: tokio::sync::Mutex::new(client),
-            op_timeout,
-        })
+        Ok(Self { client: tokio::sync::Mutex::new(client), op_timeout })
     }
 
     /// Reads a relay's cursor.
@@ -71,10 +61,7 @@ impl PostgresStore {
         let c = self.client.lock().await;
         within(self.op_timeout, async {
             let row = c
-                .query_opt(
-                    "SELECT cursor FROM firekeeper_cursors WHERE relay = $1",
-                    &[&fingerprint],
-                )
+                .query_opt("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
                 .await
                 .map_err(|e| pg(&e))?;
             match row {
@@ -98,22 +85,13 @@ impl PostgresStore {
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
             let out = fence(&tx, token).await?;
             tx.commit().await.map_err(|e| pg(&e))?;
-            Ok(
-                out.map_or(CommitOutcome::Saved, |current| CommitOutcome::Fenced {
-                    current: Some(current),
-                }),
-            )
+            Ok(out.map_or(CommitOutcome::Saved, |current| CommitOutcome::Fenced { current: Some(current) }))
         })
         .await
     }
 
     /// Commits `cursor` under `token` in its own transaction.
-    pub async fn commit(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        token: u64,
-    ) -> Result<CommitOutcome, StoreError> {
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
         let mut c = self.client.lock().await;
         within(self.op_timeout, async {
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
@@ -134,9 +112,7 @@ impl PostgresStore {
     ) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
         if let Some(current) = fence(tx, token).await? {
-            return Ok(CommitOutcome::Fenced {
-                current: Some(current),
-            });
+            return Ok(CommitOutcome::Fenced { current: Some(current) });
         }
         let n = tx
             .execute(
@@ -151,16 +127,11 @@ impl PostgresStore {
             return Ok(CommitOutcome::Saved);
         }
         let stored: i64 = tx
-            .query_one(
-                "SELECT cursor FROM firekeeper_cursors WHERE relay = $1",
-                &[&fingerprint],
-            )
+            .query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
             .await
             .map_err(|e| pg(&e))?
             .get(0);
-        Ok(CommitOutcome::NotNewer {
-            stored: as_u64(stored, "cursor")?,
-        })
+        Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? })
     }
 
     /// Operator override (`firekeeper cursor set`).
@@ -183,31 +154,17 @@ impl PostgresStore {
 
 /// Locks the fence row; raises it to `token`, or returns the higher current token.
 async fn fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
-    tx.execute(
-        "INSERT INTO firekeeper_fence (id, token) VALUES (true, 0) ON CONFLICT (id) DO NOTHING",
-        &[],
-    )
-    .await
-    .map_err(|e| pg(&e))?;
-    let current: i64 = tx
-        .query_one(
-            "SELECT token FROM firekeeper_fence WHERE id FOR UPDATE",
-            &[],
-        )
+    tx.execute("INSERT INTO firekeeper_fence (id, token) VALUES (true, 0) ON CONFLICT (id) DO NOTHING", &[])
         .await
-        .map_err(|e| pg(&e))?
-        .get(0);
+        .map_err(|e| pg(&e))?;
+    let current: i64 =
+        tx.query_one("SELECT token FROM firekeeper_fence WHERE id FOR UPDATE", &[]).await.map_err(|e| pg(&e))?.get(0);
     let current = as_u64(current, "fence token")?;
     if token < current {
         return Ok(Some(current));
     }
     if token > current {
-        tx.execute(
-            "UPDATE firekeeper_fence SET token = $1 WHERE id",
-            &[&as_i64(token)],
-        )
-        .await
-        .map_err(|e| pg(&e))?;
+        tx.execute("UPDATE firekeeper_fence SET token = $1 WHERE id", &[&as_i64(token)]).await.map_err(|e| pg(&e))?;
     }
     Ok(None)
 }

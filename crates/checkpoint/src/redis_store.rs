@@ -134,26 +134,14 @@ impl RedisStore {
     }
 
     /// Commits `cursor` for a relay under lease token `token`.
-    pub async fn commit(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        token: u64,
-    ) -> Result<CommitOutcome, StoreError> {
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
         let k = &self.keys;
         let key = k.cursor(fingerprint);
         let v: Value = self
             .conn
             .run(|mut c| async move {
-                self.commit
-                    .key(&k.lease)
-                    .key(&key)
-                    .key(&k.fence_seen)
-                    .arg(token)
-                    .arg(cursor)
-                    .invoke_async(&mut c)
-                    .await
+                self.commit.key(&k.lease).key(&key).key(&k.fence_seen).arg(token).arg(cursor).invoke_async(&mut c).await
             })
             .await
             .map_err(err)?;
@@ -163,9 +151,7 @@ impl RedisStore {
                 stored: cursor::parse(stored.as_bytes())
                     .ok_or_else(|| StoreError::Protocol(format!("stored {stored:?}")))?,
             }),
-            (3, holder) => Ok(CommitOutcome::Fenced {
-                current: holder.parse().ok(),
-            }),
+            (3, holder) => Ok(CommitOutcome::Fenced { current: holder.parse().ok() }),
             other => Err(StoreError::Protocol(format!("commit answered {other:?}"))),
         }
     }
@@ -175,13 +161,7 @@ impl RedisStore {
         cursor::check(cursor)?;
         let key = self.keys.cursor(fingerprint);
         self.conn
-            .run(|mut c| async move {
-                redis::cmd("SET")
-                    .arg(&key)
-                    .arg(cursor)
-                    .query_async::<()>(&mut c)
-                    .await
-            })
+            .run(|mut c| async move { redis::cmd("SET").arg(&key).arg(cursor).query_async::<()>(&mut c).await })
             .await
             .map_err(err)
     }
@@ -205,26 +185,16 @@ impl RedisStore {
         let legacy = &format!("{prefix}:{host}");
         let new = &self.keys.cursor(fingerprint);
         if !is_root {
-            let exists: bool =
-                self.conn
-                    .run(|mut c| async move {
-                        redis::cmd("EXISTS").arg(legacy).query_async(&mut c).await
-                    })
-                    .await
-                    .map_err(err)?;
-            return if exists {
-                Err(StoreError::LegacyAmbiguous {
-                    host: host.to_owned(),
-                })
-            } else {
-                Ok(None)
-            };
+            let exists: bool = self
+                .conn
+                .run(|mut c| async move { redis::cmd("EXISTS").arg(legacy).query_async(&mut c).await })
+                .await
+                .map_err(err)?;
+            return if exists { Err(StoreError::LegacyAmbiguous { host: host.to_owned() }) } else { Ok(None) };
         }
         let v: Value = self
             .conn
-            .run(
-                |mut c| async move { self.migrate.key(legacy).key(new).invoke_async(&mut c).await },
-            )
+            .run(|mut c| async move { self.migrate.key(legacy).key(new).invoke_async(&mut c).await })
             .await
             .map_err(err)?;
         let (code, old) = redis_op::pair(&v).map_err(StoreError::Protocol)?;
@@ -235,32 +205,19 @@ impl RedisStore {
             return Ok(None);
         }
         let old = &old;
-        let old_v = cursor::parse(old.as_bytes())
-            .ok_or_else(|| StoreError::Protocol(format!("legacy {old:?}")))?;
+        let old_v = cursor::parse(old.as_bytes()).ok_or_else(|| StoreError::Protocol(format!("legacy {old:?}")))?;
         match self.read(fingerprint).await? {
             ReadOutcome::Found(n) if n >= old_v => {}
             other => {
-                return Err(StoreError::Protocol(format!(
-                    "after migrating {old_v}, the new key reads {other:?}"
-                )));
+                return Err(StoreError::Protocol(format!("after migrating {old_v}, the new key reads {other:?}")));
             }
         }
         let _: i64 = self
             .conn
-            .run(|mut c| async move {
-                self.delete_if
-                    .key(legacy)
-                    .arg(old)
-                    .invoke_async(&mut c)
-                    .await
-            })
+            .run(|mut c| async move { self.delete_if.key(legacy).arg(old).invoke_async(&mut c).await })
             .await
             .map_err(err)?;
-        tracing::info!(
-            relay = fingerprint,
-            cursor = old_v,
-            "migrated legacy host-keyed cursor"
-        );
+        tracing::info!(relay = fingerprint, cursor = old_v, "migrated legacy host-keyed cursor");
         Ok(Some(old_v))
     }
 }

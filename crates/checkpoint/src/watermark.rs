@@ -110,11 +110,7 @@ mod tests {
     }
 
     /// The model: the largest delivered seq s such that every delivered seq ≤ s is done.
-    fn model(
-        delivered: &[u64],
-        done: &std::collections::HashSet<u64>,
-        start: Option<u64>,
-    ) -> Option<u64> {
+    fn model(delivered: &[u64], done: &std::collections::HashSet<u64>, start: Option<u64>) -> Option<u64> {
         let mut best = start;
         for &s in delivered {
             if done.contains(&s) {
@@ -130,11 +126,7 @@ mod tests {
     fn matches_the_model_under_random_completion_orders() {
         let mut rng = Rng(0x1234_5678_9abc_def1);
         for case in 0..2_000 {
-            let start = if case % 3 == 0 {
-                None
-            } else {
-                Some(rng.next() % 1000)
-            };
+            let start = if case % 3 == 0 { None } else { Some(rng.next() % 1000) };
             let cap = 1 + (rng.next() % 64) as usize;
             let mut w = Watermark::new(start, cap);
             let mut delivered = Vec::new();
@@ -160,11 +152,7 @@ mod tests {
                     assert!(!w.complete(s), "completing twice is refused");
                     done.insert(s);
                 }
-                assert_eq!(
-                    w.committable(),
-                    model(&delivered, &done, start),
-                    "case {case}"
-                );
+                assert_eq!(w.committable(), model(&delivered, &done, start), "case {case}");
                 assert!(w.window.len() <= cap, "bounded memory");
                 assert_eq!(w.in_flight(), pending.len());
             }
@@ -174,15 +162,9 @@ mod tests {
     #[test]
     fn refuses_out_of_order_and_unknown() {
         let mut w = Watermark::new(Some(10), 8);
-        assert_eq!(
-            w.deliver(10),
-            Err(WatermarkError::OutOfOrder { seq: 10, last: 10 })
-        );
+        assert_eq!(w.deliver(10), Err(WatermarkError::OutOfOrder { seq: 10, last: 10 }));
         w.deliver(12).expect("ok");
-        assert_eq!(
-            w.deliver(11),
-            Err(WatermarkError::OutOfOrder { seq: 11, last: 12 })
-        );
+        assert_eq!(w.deliver(11), Err(WatermarkError::OutOfOrder { seq: 11, last: 12 }));
         assert!(!w.complete(99));
         assert_eq!(w.committable(), Some(10));
         assert!(w.complete(12));

@@ -21,29 +21,16 @@ async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     let lease_file = dir.join("lease.lock");
     let s = FileStore::new(&dir.join("cursors"), &lease_file).expect("store");
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
-    assert_eq!(
-        s.commit(FP, 5, 1).await,
-        Ok(CommitOutcome::Fenced { current: None }),
-        "no lease held"
-    );
+    assert_eq!(s.commit(FP, 5, 1).await, Ok(CommitOutcome::Fenced { current: None }), "no lease held");
     std::fs::write(&lease_file, "a:1").expect("lease");
     assert_eq!(s.commit(FP, 5, 1).await, Ok(CommitOutcome::Saved));
-    assert_eq!(
-        s.commit(FP, 4, 1).await,
-        Ok(CommitOutcome::NotNewer { stored: 5 })
-    );
+    assert_eq!(s.commit(FP, 4, 1).await, Ok(CommitOutcome::NotNewer { stored: 5 }));
     std::fs::write(&lease_file, "b:2").expect("lease");
-    assert_eq!(
-        s.commit(FP, 9, 1).await,
-        Ok(CommitOutcome::Fenced { current: Some(2) }),
-        "stale token"
-    );
+    assert_eq!(s.commit(FP, 9, 1).await, Ok(CommitOutcome::Fenced { current: Some(2) }), "stale token");
     assert_eq!(s.commit(FP, 9, 2).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(9)));
-    let names: Vec<_> = std::fs::read_dir(dir.join("cursors"))
-        .expect("dir")
-        .map(|e| e.expect("entry").file_name())
-        .collect();
+    let names: Vec<_> =
+        std::fs::read_dir(dir.join("cursors")).expect("dir").map(|e| e.expect("entry").file_name()).collect();
     assert_eq!(names.len(), 1, "no temp file left behind: {names:?}");
     std::fs::write(dir.join("cursors").join(format!("cursor-{FP}")), "12abc").expect("corrupt");
     assert!(matches!(s.read(FP).await, Ok(ReadOutcome::Corrupt(_))));
@@ -56,62 +43,33 @@ async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_transaction() {
     let mut pg = PgServer::start();
-    let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5))
-        .await
-        .expect("connect");
+    let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect");
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
     assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.commit(FP, 100, 3).await, Ok(CommitOutcome::Saved));
-    assert_eq!(
-        s.commit(FP, 90, 3).await,
-        Ok(CommitOutcome::NotNewer { stored: 100 })
-    );
+    assert_eq!(s.commit(FP, 90, 3).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     // A new term claims; the old one is refused from then on.
     assert_eq!(s.claim(4).await, Ok(CommitOutcome::Saved));
-    assert_eq!(
-        s.commit(FP, 200, 3).await,
-        Ok(CommitOutcome::Fenced { current: Some(4) })
-    );
-    assert_eq!(
-        s.claim(3).await,
-        Ok(CommitOutcome::Fenced { current: Some(4) })
-    );
+    assert_eq!(s.commit(FP, 200, 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
+    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
     assert_eq!(s.commit(FP, 150, 4).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(150)));
 
     // Inside a caller's transaction with its own rows: a fenced commit means rollback,
     // and neither the rows nor the cursor land.
-    let (mut client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
-        .await
-        .expect("client");
+    let (mut client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("client");
     tokio::spawn(conn);
-    client
-        .batch_execute("CREATE TABLE events (seq bigint PRIMARY KEY)")
-        .await
-        .expect("table");
+    client.batch_execute("CREATE TABLE events (seq bigint PRIMARY KEY)").await.expect("table");
     let tx = client.transaction().await.expect("tx");
-    tx.execute("INSERT INTO events VALUES (151)", &[])
-        .await
-        .expect("row");
-    let out = PostgresStore::commit_in(&tx, FP, 151, 3)
-        .await
-        .expect("commit_in");
+    tx.execute("INSERT INTO events VALUES (151)", &[]).await.expect("row");
+    let out = PostgresStore::commit_in(&tx, FP, 151, 3).await.expect("commit_in");
     assert_eq!(out, CommitOutcome::Fenced { current: Some(4) });
     tx.rollback().await.expect("rollback");
     let tx = client.transaction().await.expect("tx");
-    tx.execute("INSERT INTO events VALUES (151)", &[])
-        .await
-        .expect("row");
-    assert_eq!(
-        PostgresStore::commit_in(&tx, FP, 151, 4).await,
-        Ok(CommitOutcome::Saved)
-    );
+    tx.execute("INSERT INTO events VALUES (151)", &[]).await.expect("row");
+    assert_eq!(PostgresStore::commit_in(&tx, FP, 151, 4).await, Ok(CommitOutcome::Saved));
     tx.commit().await.expect("commit");
-    let n: i64 = client
-        .query_one("SELECT count(*) FROM events", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let n: i64 = client.query_one("SELECT count(*) FROM events", &[]).await.expect("count").get(0);
     assert_eq!(n, 1);
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(151)));
 
@@ -128,10 +86,7 @@ async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_tra
     for t in tasks {
         let (token, out) = t.await.expect("task");
         if token == 3 {
-            assert!(
-                matches!(out, CommitOutcome::Fenced { .. }),
-                "stale token landed: {out:?}"
-            );
+            assert!(matches!(out, CommitOutcome::Fenced { .. }), "stale token landed: {out:?}");
         }
     }
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(1079)));
@@ -140,24 +95,14 @@ async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_tra
     pg.kill();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
     pg.restart();
-    let s2 = PostgresStore::connect(&pg.url(), Duration::from_secs(5))
-        .await
-        .expect("reconnect");
-    assert_eq!(
-        s2.read(FP).await,
-        Ok(ReadOutcome::Found(1079)),
-        "durable across a restart"
-    );
+    let s2 = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("reconnect");
+    assert_eq!(s2.read(FP).await, Ok(ReadOutcome::Found(1079)), "durable across a restart");
 }
 
 async fn futures(n: usize, url: &str) -> Vec<Arc<PostgresStore>> {
     let mut v = Vec::new();
     for _ in 0..n {
-        v.push(Arc::new(
-            PostgresStore::connect(url, Duration::from_secs(5))
-                .await
-                .expect("connect"),
-        ));
+        v.push(Arc::new(PostgresStore::connect(url, Duration::from_secs(5)).await.expect("connect")));
     }
     v
 }

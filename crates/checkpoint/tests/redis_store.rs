@@ -12,12 +12,7 @@ const FP: &str = "9f2c1e0b7a6d5c4b3a29181706f5e4d3c2b1a09f8e7d6c5b4a3928170615f4
 const OP: Duration = Duration::from_millis(500);
 
 fn store(url: &str, prefix: &str) -> RedisStore {
-    RedisStore::new(
-        url,
-        RedisKeys::new(prefix, Some("wisp:firehose-cursor")),
-        OP,
-    )
-    .expect("store")
+    RedisStore::new(url, RedisKeys::new(prefix, Some("wisp:firehose-cursor")), OP).expect("store")
 }
 
 fn set(redis: &RedisServer, k: &str, v: &[u8]) {
@@ -34,11 +29,7 @@ async fn leader(
     url: &str,
     prefix: &str,
     name: &str,
-) -> (
-    lease::LeaseHandle,
-    tokio::sync::mpsc::UnboundedReceiver<LeaseEvent>,
-    Term,
-) {
+) -> (lease::LeaseHandle, tokio::sync::mpsc::UnboundedReceiver<LeaseEvent>, Term) {
     let cfg = LeaseConfig {
         poll: Duration::from_millis(100),
         key_prefix: prefix.to_owned(),
@@ -46,10 +37,7 @@ async fn leader(
     };
     let backend = Arc::new(RedisBackend::new(url, prefix, cfg.op_timeout).expect("backend"));
     let (h, mut ev) = lease::spawn_as(backend, cfg, Arc::new(BootClock), name).expect("config");
-    let Some(LeaseEvent::Elected(t)) = timeout(Duration::from_secs(20), ev.recv())
-        .await
-        .expect("elected")
-    else {
+    let Some(LeaseEvent::Elected(t)) = timeout(Duration::from_secs(20), ev.recv()).await.expect("elected") else {
         panic!("not elected")
     };
     (h, ev, t)
@@ -63,16 +51,12 @@ async fn stale_token_is_refused_while_the_new_leaders_commit_lands() {
     let (a, _ea, ta) = leader(&redis.url(), "fk", "a").await;
     assert_eq!(s.commit(FP, 10, ta.token()).await, Ok(CommitOutcome::Saved));
     // a hands over; b is elected with a greater token.
-    a.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(2))
-        .await
-        .expect("release");
+    a.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(2)).await.expect("release");
     let (_b, _eb, tb) = leader(&redis.url(), "fk", "b").await;
     assert!(tb.token() > ta.token());
     assert_eq!(
         s.commit(FP, 50, ta.token()).await,
-        Ok(CommitOutcome::Fenced {
-            current: Some(tb.token())
-        }),
+        Ok(CommitOutcome::Fenced { current: Some(tb.token()) }),
         "old term refused"
     );
     assert_eq!(s.commit(FP, 20, tb.token()).await, Ok(CommitOutcome::Saved));
@@ -87,14 +71,8 @@ async fn commits_never_move_backwards_and_tokens_outlive_a_lost_fence_counter() 
     let s = store(&redis.url(), "m");
     let (h, _e, t) = leader(&redis.url(), "m", "a").await;
     assert_eq!(s.commit(FP, 100, t.token()).await, Ok(CommitOutcome::Saved));
-    assert_eq!(
-        s.commit(FP, 99, t.token()).await,
-        Ok(CommitOutcome::NotNewer { stored: 100 })
-    );
-    assert_eq!(
-        s.commit(FP, 100, t.token()).await,
-        Ok(CommitOutcome::NotNewer { stored: 100 })
-    );
+    assert_eq!(s.commit(FP, 99, t.token()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
+    assert_eq!(s.commit(FP, 100, t.token()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     assert_eq!(
         s.commit(FP, checkpoint::MAX_CURSOR + 1, t.token()).await,
         Err(StoreError::OutOfRange(checkpoint::MAX_CURSOR + 1))
@@ -102,17 +80,9 @@ async fn commits_never_move_backwards_and_tokens_outlive_a_lost_fence_counter() 
     h.shutdown().await;
     // Redis loses the fence counter; the next token still exceeds every one a commit saw.
     let mut c = redis.admin();
-    let _: () = redis::cmd("DEL")
-        .arg("{m}:fence")
-        .query(&mut c)
-        .expect("del");
+    let _: () = redis::cmd("DEL").arg("{m}:fence").query(&mut c).expect("del");
     let (_h2, _e2, t2) = leader(&redis.url(), "m", "fresh-process").await;
-    assert!(
-        t2.token() > t.token(),
-        "token {} reissued after {}",
-        t2.token(),
-        t.token()
-    );
+    assert!(t2.token() > t.token(), "token {} reissued after {}", t2.token(), t.token());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,14 +90,7 @@ async fn corrupt_and_oversized_values_read_as_corrupt_and_are_overwritten_by_a_c
     let redis = RedisServer::start();
     let s = store(&redis.url(), "c");
     let key = format!("{{c}}:cursor:{FP}");
-    for bad in [
-        &b"abc"[..],
-        b"-5",
-        b"007",
-        b"9007199254740992",
-        b"1.5",
-        &vec![b'9'; 1 << 20],
-    ] {
+    for bad in [&b"abc"[..], b"-5", b"007", b"9007199254740992", b"1.5", &vec![b'9'; 1 << 20]] {
         set(&redis, &key, bad);
         match s.read(FP).await {
             Ok(ReadOutcome::Corrupt(preview)) => {
@@ -148,23 +111,13 @@ async fn unavailable_redis_fails_closed() {
     redis.pause();
     let t0 = std::time::Instant::now();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "bounded by the op timeout"
-    );
-    assert!(matches!(
-        s.commit(FP, 1, 1).await,
-        Err(StoreError::Unavailable(_))
-    ));
+    assert!(t0.elapsed() < Duration::from_secs(3), "bounded by the op timeout");
+    assert!(matches!(s.commit(FP, 1, 1).await, Err(StoreError::Unavailable(_))));
     redis.resume();
     redis.kill();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
     redis.restart();
-    assert_eq!(
-        s.read(FP).await,
-        Ok(ReadOutcome::Missing),
-        "works again after a fresh connection"
-    );
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing), "works again after a fresh connection");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,11 +130,7 @@ async fn concurrent_committers_only_the_holder_lands_and_the_maximum_wins() {
         let s = s.clone();
         tasks.push(tokio::spawn(async move {
             let token = if i % 3 == 0 { 6 } else { 7 };
-            (
-                token,
-                i * 10,
-                s.commit(FP, i * 10, token).await.expect("commit"),
-            )
+            (token, i * 10, s.commit(FP, i * 10, token).await.expect("commit"))
         }));
     }
     let mut max_saved = 0;
@@ -210,48 +159,30 @@ async fn legacy_cursors_migrate_for_root_urls_only() {
     let new_key = format!("{{l}}:cursor:{FP}");
     // Root URL, no new key: the legacy value moves over and the old key goes.
     set(&redis, "wisp:firehose-cursor:bsky.network", b"500");
-    assert_eq!(
-        s.migrate_legacy(FP, "bsky.network", true).await,
-        Ok(Some(500))
-    );
+    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await, Ok(Some(500)));
     assert_eq!(get(&redis, &new_key).as_deref(), Some("500"));
     assert_eq!(get(&redis, "wisp:firehose-cursor:bsky.network"), None);
     // The new key is ahead: it never moves backwards, the old key still goes.
     set(&redis, &new_key, b"900");
     set(&redis, "wisp:firehose-cursor:bsky.network", b"600");
-    assert_eq!(
-        s.migrate_legacy(FP, "bsky.network", true).await,
-        Ok(Some(600))
-    );
+    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await, Ok(Some(600)));
     assert_eq!(get(&redis, &new_key).as_deref(), Some("900"));
     // A corrupt legacy value is left alone.
     set(&redis, "wisp:firehose-cursor:bsky.network", b"junk");
     assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await, Ok(None));
-    assert_eq!(
-        get(&redis, "wisp:firehose-cursor:bsky.network").as_deref(),
-        Some("junk")
-    );
+    assert_eq!(get(&redis, "wisp:firehose-cursor:bsky.network").as_deref(), Some("junk"));
     // A URL with a path and a legacy key: refuse, naming the fix.
     set(&redis, "wisp:firehose-cursor:relay.example:8443", b"5");
-    let e = s
-        .migrate_legacy(FP, "relay.example:8443", false)
-        .await
-        .expect_err("ambiguous");
+    let e = s.migrate_legacy(FP, "relay.example:8443", false).await.expect_err("ambiguous");
     assert!(matches!(&e, StoreError::LegacyAmbiguous { host } if host == "relay.example:8443"));
     assert!(e.to_string().contains("firekeeper cursor set"));
-    assert_eq!(
-        s.migrate_legacy(FP, "other.example", false).await,
-        Ok(None),
-        "no legacy key: nothing to do"
-    );
+    assert_eq!(s.migrate_legacy(FP, "other.example", false).await, Ok(None), "no legacy key: nothing to do");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_answering_nonsense_is_a_protocol_error() {
     // Answers +OK to everything, like a misconfigured proxy.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
         loop {
@@ -269,15 +200,11 @@ async fn a_server_answering_nonsense_is_a_protocol_error() {
             });
         }
     });
-    let s =
-        RedisStore::new(&format!("redis://{addr}/"), RedisKeys::new("n", None), OP).expect("store");
+    let s = RedisStore::new(&format!("redis://{addr}/"), RedisKeys::new("n", None), OP).expect("store");
     let r = s.commit(FP, 1, 1).await;
     // Depending on where the nonsense bites (handshake or script reply) it is a protocol
     // or an I/O error: typed, and never a saved cursor.
-    assert!(
-        matches!(r, Err(StoreError::Protocol(_) | StoreError::Unavailable(_))),
-        "{r:?}"
-    );
+    assert!(matches!(r, Err(StoreError::Protocol(_) | StoreError::Unavailable(_))), "{r:?}");
     match s.read(FP).await {
         Ok(ReadOutcome::Corrupt(_)) | Err(_) => {}
         other => panic!("nonsense must not read as a cursor: {other:?}"),

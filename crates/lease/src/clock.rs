@@ -20,10 +20,7 @@ impl Clock for BootClock {
         let ts = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
         #[cfg(not(any(target_os = "linux", target_os = "android")))]
         let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-        Duration::new(
-            u64::try_from(ts.tv_sec).unwrap_or(0),
-            u32::try_from(ts.tv_nsec).unwrap_or(0),
-        )
+        Duration::new(u64::try_from(ts.tv_sec).unwrap_or(0), u32::try_from(ts.tv_nsec).unwrap_or(0))
     }
 }
 
@@ -37,9 +34,7 @@ impl TokioClock {
     /// Origin at the current tokio instant.
     #[must_use]
     pub fn new() -> Self {
-        Self {
-            origin: tokio::time::Instant::now(),
-        }
+        Self { origin: tokio::time::Instant::now() }
     }
 }
 

@@ -68,10 +68,7 @@ impl LeaseConfig {
             p.push(format!("ttl {:?} is below 100ms", self.ttl));
         }
         if self.margin.is_zero() || self.margin >= self.ttl {
-            p.push(format!(
-                "margin {:?} must be above zero and below ttl {:?}",
-                self.margin, self.ttl
-            ));
+            p.push(format!("margin {:?} must be above zero and below ttl {:?}", self.margin, self.ttl));
         }
         if self.op_timeout.is_zero() {
             p.push("op timeout must be above zero".to_owned());
@@ -90,21 +87,11 @@ impl LeaseConfig {
             p.push("poll interval must be above zero".to_owned());
         }
         let prefix_ok = !self.key_prefix.is_empty()
-            && self
-                .key_prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'));
+            && self.key_prefix.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'));
         if !prefix_ok {
-            p.push(format!(
-                "key prefix {:?} must be non-empty [A-Za-z0-9-_.:]",
-                self.key_prefix
-            ));
+            p.push(format!("key prefix {:?} must be non-empty [A-Za-z0-9-_.:]", self.key_prefix));
         }
-        if p.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems: p })
-        }
+        if p.is_empty() { Ok(()) } else { Err(ConfigError { problems: p }) }
     }
 }
 
@@ -115,11 +102,7 @@ mod tests {
     #[test]
     fn defaults_are_valid_and_bad_values_are_all_named() {
         assert!(LeaseConfig::default().validate().is_ok());
-        assert!(
-            LeaseConfig::from_ttl(Duration::from_secs(5))
-                .validate()
-                .is_ok()
-        );
+        assert!(LeaseConfig::from_ttl(Duration::from_secs(5)).validate().is_ok());
         let bad = LeaseConfig {
             ttl: Duration::from_millis(50),
             margin: Duration::ZERO,
@@ -130,15 +113,7 @@ mod tests {
         };
         let e = bad.validate().expect_err("invalid");
         assert_eq!(e.problems.len(), 6, "{e}");
-        let slow = LeaseConfig {
-            renew_every: Duration::from_secs(7),
-            ..LeaseConfig::default()
-        };
-        assert!(
-            slow.validate()
-                .expect_err("slow")
-                .to_string()
-                .contains("renew interval")
-        );
+        let slow = LeaseConfig { renew_every: Duration::from_secs(7), ..LeaseConfig::default() };
+        assert!(slow.validate().expect_err("slow").to_string().contains("renew interval"));
     }
 }

@@ -28,6 +28,4 @@ pub use clock::{BootClock, Clock, TokioClock};
 pub use config::{ConfigError, LeaseConfig};
 pub use local::LocalBackend;
 pub use redis_backend::{Keys, RedisBackend};
-pub use supervisor::{
-    LeaseEvent, LeaseHandle, LossReason, Status, StepDownError, Term, spawn, spawn_as,
-};
+pub use supervisor::{LeaseEvent, LeaseHandle, LossReason, Status, StepDownError, Term, spawn, spawn_as};

@@ -40,10 +40,7 @@ impl LocalBackend {
 
     fn read_fence(&self) -> Result<u64, BackendError> {
         match std::fs::read_to_string(&self.fence_path) {
-            Ok(s) => s
-                .trim()
-                .parse()
-                .map_err(|_| BackendError::Protocol(format!("fence file holds {s:?}"))),
+            Ok(s) => s.trim().parse().map_err(|_| BackendError::Protocol(format!("fence file holds {s:?}"))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
             Err(e) => Err(io("reading fence file", &e)),
         }
@@ -54,18 +51,10 @@ impl LocalBackend {
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
         let mut f = File::create(&tmp).map_err(|e| io("writing fence file", &e))?;
-        f.write_all(v.to_string().as_bytes())
-            .and_then(|()| f.sync_all())
-            .map_err(|e| io("writing fence file", &e))?;
+        f.write_all(v.to_string().as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing fence file", &e))?;
         std::fs::rename(&tmp, &self.fence_path).map_err(|e| io("renaming fence file", &e))?;
-        if let Some(dir) = self
-            .fence_path
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-        {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| io("syncing lease directory", &e))?;
+        if let Some(dir) = self.fence_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing lease directory", &e))?;
         }
         Ok(())
     }
@@ -78,16 +67,8 @@ impl LocalBackend {
 }
 
 impl Backend for LocalBackend {
-    async fn acquire(
-        &self,
-        instance: &str,
-        _ttl: Duration,
-        floor: u64,
-    ) -> Result<Acquire, BackendError> {
-        let mut held = self
-            .held
-            .lock()
-            .map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
+    async fn acquire(&self, instance: &str, _ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
+        let mut held = self.held.lock().map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
         if let Some((_, v)) = held.as_ref() {
             return Ok(Acquire::Held { holder: v.clone() });
         }
@@ -103,9 +84,7 @@ impl Backend for LocalBackend {
             Err(std::fs::TryLockError::WouldBlock) => {
                 let mut s = String::new();
                 let _ = f.read_to_string(&mut s);
-                return Ok(Acquire::Held {
-                    holder: s.trim().to_owned(),
-                });
+                return Ok(Acquire::Held { holder: s.trim().to_owned() });
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io("locking lock file", &e)),
         }
@@ -121,34 +100,18 @@ impl Backend for LocalBackend {
         Ok(Acquire::Acquired { token })
     }
 
-    async fn renew(
-        &self,
-        instance: &str,
-        token: u64,
-        _ttl: Duration,
-    ) -> Result<Renew, BackendError> {
-        let held = self
-            .held
-            .lock()
-            .map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
+    async fn renew(&self, instance: &str, token: u64, _ttl: Duration) -> Result<Renew, BackendError> {
+        let held = self.held.lock().map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
         match held.as_ref() {
             Some((_, v)) if *v == format!("{instance}:{token}") => Ok(Renew::Renewed),
             Some((_, v)) => Ok(Renew::TakenBy { holder: v.clone() }),
-            None => Ok(Renew::Fenced {
-                fence: self.read_fence().ok(),
-            }),
+            None => Ok(Renew::Fenced { fence: self.read_fence().ok() }),
         }
     }
 
     async fn release(&self, instance: &str) -> Result<bool, BackendError> {
-        let mut held = self
-            .held
-            .lock()
-            .map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
-        let ours = held
-            .as_ref()
-            .and_then(|(_, v)| parse_holder(v))
-            .is_some_and(|(i, _)| i == instance);
+        let mut held = self.held.lock().map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
+        let ours = held.as_ref().and_then(|(_, v)| parse_holder(v)).is_some_and(|(i, _)| i == instance);
         if !ours {
             return Ok(false);
         }
@@ -170,12 +133,7 @@ impl Backend for LocalBackend {
 
     async fn snapshot(&self) -> Result<Snapshot, BackendError> {
         let fence = self.read_fence()?;
-        Ok(Snapshot {
-            holder: self.read_holder(),
-            fence,
-            fence_seen: fence,
-            ttl: None,
-        })
+        Ok(Snapshot { holder: self.read_holder(), fence, fence_seen: fence, ttl: None })
     }
 
     fn release_signal(&self) -> Option<Arc<Notify>> {

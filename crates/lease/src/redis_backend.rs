@@ -117,9 +117,7 @@ struct Scripts {
 
 impl std::fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisBackend")
-            .field("keys", &self.keys)
-            .finish_non_exhaustive()
+        f.debug_struct("RedisBackend").field("keys", &self.keys).finish_non_exhaustive()
     }
 }
 
@@ -147,8 +145,7 @@ fn pair(v: &Value) -> Result<(i64, String), BackendError> {
 }
 
 fn parse_u64(s: &str, what: &str) -> Result<u64, BackendError> {
-    s.parse()
-        .map_err(|_| protocol(format!("{what} {s:?} is not a non-negative integer")))
+    s.parse().map_err(|_| protocol(format!("{what} {s:?} is not a non-negative integer")))
 }
 
 impl RedisBackend {
@@ -157,12 +154,7 @@ impl RedisBackend {
         let conn = Conn::open(url, op_timeout)?;
         let keys = Keys::new(prefix);
         let released = Arc::new(Notify::new());
-        let listener = tokio::spawn(listen(
-            conn.client().clone(),
-            keys.channel.clone(),
-            released.clone(),
-            op_timeout,
-        ));
+        let listener = tokio::spawn(listen(conn.client().clone(), keys.channel.clone(), released.clone(), op_timeout));
         Ok(Self {
             conn,
             keys,
@@ -197,12 +189,7 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl Backend for RedisBackend {
-    async fn acquire(
-        &self,
-        instance: &str,
-        ttl: Duration,
-        floor: u64,
-    ) -> Result<Acquire, BackendError> {
+    async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let k = &self.keys;
         let v: Value = self
             .with_conn(|mut c| async move {
@@ -219,20 +206,13 @@ impl Backend for RedisBackend {
             })
             .await?;
         match pair(&v)? {
-            (1, t) => Ok(Acquire::Acquired {
-                token: parse_u64(&t, "token")?,
-            }),
+            (1, t) => Ok(Acquire::Acquired { token: parse_u64(&t, "token")? }),
             (0, holder) => Ok(Acquire::Held { holder }),
             other => Err(protocol(format!("acquire answered {other:?}"))),
         }
     }
 
-    async fn renew(
-        &self,
-        instance: &str,
-        token: u64,
-        ttl: Duration,
-    ) -> Result<Renew, BackendError> {
+    async fn renew(&self, instance: &str, token: u64, ttl: Duration) -> Result<Renew, BackendError> {
         let k = &self.keys;
         let value = format!("{instance}:{token}");
         let v: Value = self
@@ -251,9 +231,7 @@ impl Backend for RedisBackend {
         match pair(&v)? {
             (1, _) => Ok(Renew::Renewed),
             (2, _) => Ok(Renew::Retaken),
-            (3, f) => Ok(Renew::Fenced {
-                fence: f.parse().ok(),
-            }),
+            (3, f) => Ok(Renew::Fenced { fence: f.parse().ok() }),
             (4, holder) => Ok(Renew::TakenBy { holder }),
             other => Err(protocol(format!("renew answered {other:?}"))),
         }
@@ -264,13 +242,7 @@ impl Backend for RedisBackend {
         let prefix = format!("{instance}:");
         let v: i64 = self
             .with_conn(|mut c| async move {
-                self.scripts
-                    .release
-                    .key(&k.lease)
-                    .arg(&prefix)
-                    .arg(&k.channel)
-                    .invoke_async(&mut c)
-                    .await
+                self.scripts.release.key(&k.lease).arg(&prefix).arg(&k.channel).invoke_async(&mut c).await
             })
             .await?;
         Ok(v == 1)
@@ -280,13 +252,7 @@ impl Backend for RedisBackend {
         let k = &self.keys;
         let v: String = self
             .with_conn(|mut c| async move {
-                self.scripts
-                    .seed
-                    .key(&k.fence)
-                    .key(&k.fence_seen)
-                    .arg(min)
-                    .invoke_async(&mut c)
-                    .await
+                self.scripts.seed.key(&k.fence).key(&k.fence_seen).arg(min).invoke_async(&mut c).await
             })
             .await?;
         parse_u64(&v, "fence")
@@ -294,23 +260,15 @@ impl Backend for RedisBackend {
 
     async fn snapshot(&self) -> Result<Snapshot, BackendError> {
         let k = &self.keys;
-        let (holder, fence, seen, pttl): (Option<String>, Option<String>, Option<String>, i64) =
-            self.with_conn(|mut c| async move {
-                redis::pipe()
-                    .get(&k.lease)
-                    .get(&k.fence)
-                    .get(&k.fence_seen)
-                    .pttl(&k.lease)
-                    .query_async(&mut c)
-                    .await
+        let (holder, fence, seen, pttl): (Option<String>, Option<String>, Option<String>, i64) = self
+            .with_conn(|mut c| async move {
+                redis::pipe().get(&k.lease).get(&k.fence).get(&k.fence_seen).pttl(&k.lease).query_async(&mut c).await
             })
             .await?;
         Ok(Snapshot {
             holder,
             fence: fence.as_deref().map_or(Ok(0), |f| parse_u64(f, "fence"))?,
-            fence_seen: seen
-                .as_deref()
-                .map_or(Ok(0), |f| parse_u64(f, "fence-seen"))?,
+            fence_seen: seen.as_deref().map_or(Ok(0), |f| parse_u64(f, "fence-seen"))?,
             ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
         })
     }
@@ -321,18 +279,10 @@ impl Backend for RedisBackend {
 }
 
 /// Keeps a subscription to the release channel, reconnecting after errors.
-async fn listen(
-    client: redis::Client,
-    channel: String,
-    released: Arc<Notify>,
-    op_timeout: Duration,
-) {
+async fn listen(client: redis::Client, channel: String, released: Arc<Notify>, op_timeout: Duration) {
     loop {
-        if let Ok(Ok(mut ps)) = tokio::time::timeout(
-            op_timeout.max(Duration::from_secs(1)),
-            client.get_async_pubsub(),
-        )
-        .await
+        if let Ok(Ok(mut ps)) =
+            tokio::time::timeout(op_timeout.max(Duration::from_secs(1)), client.get_async_pubsub()).await
         {
             if ps.subscribe(&channel).await.is_ok() {
                 let mut msgs = ps.on_message();

@@ -99,10 +99,7 @@ impl Term {
     }
 
     fn extend_to(&self, deadline: Duration) {
-        self.0.deadline_ns.fetch_max(
-            u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::AcqRel,
-        );
+        self.0.deadline_ns.fetch_max(u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX), Ordering::AcqRel);
     }
 
     fn end(&self) {
@@ -251,9 +248,7 @@ impl LeaseHandle {
 
     /// Releases the lease (after the caller drained) so a standby takes over at once.
     pub async fn release(&self) -> Result<(), StepDownError> {
-        self.ask(Command::Release)
-            .await
-            .unwrap_or(Err(StepDownError::Gone))
+        self.ask(Command::Release).await.unwrap_or(Err(StepDownError::Gone))
     }
 
     /// Stops renewing without releasing: the lease expires on its own. For a drain that
@@ -301,12 +296,7 @@ pub fn spawn<B: Backend>(
     cfg: LeaseConfig,
     clock: Arc<dyn Clock>,
 ) -> Result<(LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>), ConfigError> {
-    spawn_as(
-        backend,
-        cfg,
-        clock,
-        &uuid::Uuid::new_v4().simple().to_string(),
-    )
+    spawn_as(backend, cfg, clock, &uuid::Uuid::new_v4().simple().to_string())
 }
 
 /// Starts a supervisor with an explicit instance id (tests, or a stable pod name).
@@ -321,9 +311,8 @@ pub fn spawn_as<B: Backend>(
     let (ev_tx, ev_rx) = mpsc::unbounded_channel();
     let (status_tx, status_rx) = watch::channel(Status::Standby);
     let instance: Arc<str> = Arc::from(instance);
-    let seed = instance.bytes().fold(0x9e37_79b9_7f4a_7c15_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
+    let seed =
+        instance.bytes().fold(0x9e37_79b9_7f4a_7c15_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
     let wake = backend.release_signal();
     let sup = Supervisor {
         backend,
@@ -340,15 +329,7 @@ pub fn spawn_as<B: Backend>(
         seen: 0,
     };
     let task = tokio::spawn(sup.run());
-    Ok((
-        LeaseHandle {
-            cmd: cmd_tx,
-            status: status_rx,
-            instance,
-            task,
-        },
-        ev_rx,
-    ))
+    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, task }, ev_rx))
 }
 
 struct Supervisor<B> {
@@ -375,8 +356,7 @@ enum LeadEnd {
 }
 
 fn transition(to: &'static str, reason: &'static str) {
-    metrics::counter!("firekeeper_lease_transitions_total", "to" => to, "reason" => reason)
-        .increment(1);
+    metrics::counter!("firekeeper_lease_transitions_total", "to" => to, "reason" => reason).increment(1);
 }
 
 impl<B: Backend> Supervisor<B> {
@@ -389,12 +369,7 @@ impl<B: Backend> Supervisor<B> {
             match self.lead(&term).await {
                 LeadEnd::Lost(reason) => {
                     term.end();
-                    tracing::error!(
-                        token,
-                        reason = reason.label(),
-                        ?reason,
-                        "leadership lost; intake must stop now"
-                    );
+                    tracing::error!(token, reason = reason.label(), ?reason, "leadership lost; intake must stop now");
                     transition("standby", reason.label());
                     self.status.send_replace(Status::Standby);
                     let _ = self.events.send(LeaseEvent::Lost { token, reason });
@@ -462,15 +437,10 @@ impl<B: Backend> Supervisor<B> {
         self.cfg.poll * u32::try_from(permille).unwrap_or(1000) / 1000
     }
 
-    async fn call<T>(
-        &self,
-        f: impl std::future::Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
+    async fn call<T>(&self, f: impl std::future::Future<Output = Result<T, BackendError>>) -> Result<T, BackendError> {
         // The backend enforces the op timeout itself; this is the supervisor's own belt.
         let belt = self.cfg.op_timeout + Duration::from_millis(50);
-        timeout(belt, f)
-            .await
-            .unwrap_or(Err(BackendError::Timeout(belt)))
+        timeout(belt, f).await.unwrap_or(Err(BackendError::Timeout(belt)))
     }
 
     /// Standby: returns a new term, or `None` on shutdown.
@@ -487,12 +457,7 @@ impl<B: Backend> Supervisor<B> {
                 n.enable();
             }
             let sent = self.clock.now();
-            let r = self
-                .call(
-                    self.backend
-                        .acquire(&self.instance, self.cfg.ttl, self.seen),
-                )
-                .await;
+            let r = self.call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen)).await;
             // A shutdown that arrived while the acquire was in flight wins, and whatever
             // was just acquired is released.
             while let Ok(c) = self.cmds.try_recv() {
@@ -636,8 +601,7 @@ impl<B: Backend> Supervisor<B> {
             () = sleep(term.remaining()) => return None,
             r = self.call(self.backend.renew(&self.instance, token, self.cfg.ttl)) => r,
         };
-        metrics::histogram!("firekeeper_lease_renew_seconds")
-            .record(started.elapsed().as_secs_f64());
+        metrics::histogram!("firekeeper_lease_renew_seconds").record(started.elapsed().as_secs_f64());
         // Replies are tied to the term they were sent for: a reply for an older epoch
         // (impossible here since the future dies with its term, but cheap to check) is
         // ignored rather than applied to the current term.
@@ -656,10 +620,7 @@ impl<B: Backend> Supervisor<B> {
                 term.extend_to(sent + self.cfg.window());
                 *failing = false;
                 metrics::counter!("firekeeper_lease_retakes_total").increment(1);
-                tracing::warn!(
-                    token,
-                    "lease key had vanished with the fence unchanged; retook it with the same token"
-                );
+                tracing::warn!(token, "lease key had vanished with the fence unchanged; retook it with the same token");
                 None
             }
             Ok(Renew::Fenced { fence }) => Some(LeadEnd::Lost(LossReason::Fenced(fence))),
@@ -673,8 +634,7 @@ impl<B: Backend> Supervisor<B> {
                     BackendError::Unavailable(_) => "unavailable",
                     BackendError::Protocol(_) => "protocol",
                 };
-                metrics::counter!("firekeeper_lease_renew_errors_total", "reason" => reason)
-                    .increment(1);
+                metrics::counter!("firekeeper_lease_renew_errors_total", "reason" => reason).increment(1);
                 if !std::mem::replace(failing, true) {
                     tracing::warn!(token, error = %e, remaining_ms = term.remaining().as_millis() as u64, "lease renewal failed; leading until the deadline");
                 }

@@ -6,9 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lease::{
-    Backend, BootClock, LeaseConfig, LeaseEvent, LeaseHandle, LossReason, RedisBackend, Term,
-};
+use lease::{Backend, BootClock, LeaseConfig, LeaseEvent, LeaseHandle, LossReason, RedisBackend, Term};
 use testkit::{RedisServer, TcpProxy};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{sleep, timeout};
@@ -33,20 +31,12 @@ struct Node {
 fn node(url: &str, prefix: &str, name: &str) -> Node {
     let c = cfg(prefix);
     let backend = Arc::new(RedisBackend::new(url, prefix, c.op_timeout).expect("backend"));
-    let (handle, events) =
-        lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
-    Node {
-        handle,
-        events,
-        backend,
-    }
+    let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
+    Node { handle, events, backend }
 }
 
 async fn next_event(n: &mut Node) -> LeaseEvent {
-    timeout(WAIT, n.events.recv())
-        .await
-        .expect("an event before the deadline")
-        .expect("supervisor alive")
+    timeout(WAIT, n.events.recv()).await.expect("an event before the deadline").expect("supervisor alive")
 }
 
 async fn elected(n: &mut Node) -> Term {
@@ -67,9 +57,7 @@ async fn five_candidates_exactly_one_leader_fifty_times() {
     let redis = RedisServer::start();
     for round in 0..50 {
         let prefix = format!("race{round}");
-        let mut nodes: Vec<Node> = (0..5)
-            .map(|i| node(&redis.url(), &prefix, &format!("n{i}")))
-            .collect();
+        let mut nodes: Vec<Node> = (0..5).map(|i| node(&redis.url(), &prefix, &format!("n{i}"))).collect();
         // Wait until someone leads, then give the others time to (wrongly) lead too.
         let deadline = Instant::now() + WAIT;
         let mut leaders = Vec::new();
@@ -105,19 +93,10 @@ async fn graceful_handover_wakes_the_standby_through_the_release_message() {
         let prefix = format!("handover{round}");
         // A poll of 30 s: only the release message can make the standby lead quickly.
         let mk = |name: &str| {
-            let c = LeaseConfig {
-                poll: Duration::from_secs(30),
-                ..cfg(&prefix)
-            };
-            let backend =
-                Arc::new(RedisBackend::new(&redis.url(), &prefix, c.op_timeout).expect("backend"));
-            let (handle, events) =
-                lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
-            Node {
-                handle,
-                events,
-                backend,
-            }
+            let c = LeaseConfig { poll: Duration::from_secs(30), ..cfg(&prefix) };
+            let backend = Arc::new(RedisBackend::new(&redis.url(), &prefix, c.op_timeout).expect("backend"));
+            let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
+            Node { handle, events, backend }
         };
         let mut a = mk("a");
         let ta = elected(&mut a).await;
@@ -125,10 +104,7 @@ async fn graceful_handover_wakes_the_standby_through_the_release_message() {
         sleep(Duration::from_millis(1500)).await; // b polled once, subscribed, and waits
         no_event(&mut b);
         let t0 = Instant::now();
-        a.handle
-            .step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(5))
-            .await
-            .expect("clean step-down");
+        a.handle.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(5)).await.expect("clean step-down");
         let tb = elected(&mut b).await;
         gaps.push(t0.elapsed());
         assert!(tb.token() > ta.token());
@@ -151,10 +127,7 @@ async fn redis_killed_shorter_than_ttl_no_flip() {
     sleep(Duration::from_millis(300)).await;
     redis.restart(); // empty: no key, no fence
     sleep(Duration::from_secs(3)).await;
-    assert!(
-        t.is_active(),
-        "the leader retook the vanished key with its own token"
-    );
+    assert!(t.is_active(), "the leader retook the vanished key with its own token");
     no_event(&mut a);
     let snap = a.backend.snapshot().await.expect("snapshot");
     assert_eq!(snap.holder.as_deref(), Some("a:1"));
@@ -173,16 +146,9 @@ async fn redis_killed_longer_than_ttl_loses_then_a_greater_token_is_issued() {
     let _ = other;
     let first = t.token();
     redis.kill();
-    let (ln, _) = if leader == "a" {
-        (&mut a, &mut b)
-    } else {
-        (&mut b, &mut a)
-    };
+    let (ln, _) = if leader == "a" { (&mut a, &mut b) } else { (&mut b, &mut a) };
     match next_event(ln).await {
-        LeaseEvent::Lost {
-            reason: LossReason::Expired,
-            ..
-        } => {}
+        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
         e => panic!("{e:?}"),
     }
     assert!(!t.is_active());
@@ -193,9 +159,7 @@ async fn redis_killed_longer_than_ttl_loses_then_a_greater_token_is_issued() {
         e = a.events.recv() => e,
         e = b.events.recv() => e,
     };
-    let Some(LeaseEvent::Elected(t2)) = t2 else {
-        panic!("{t2:?}")
-    };
+    let Some(LeaseEvent::Elected(t2)) = t2 else { panic!("{t2:?}") };
     assert!(t2.token() > first, "token {} after {first}", t2.token());
 }
 
@@ -214,17 +178,11 @@ async fn redis_paused_shorter_than_window_no_flip_longer_loses_at_the_deadline()
     redis.pause();
     let t0 = Instant::now();
     match next_event(&mut a).await {
-        LeaseEvent::Lost {
-            reason: LossReason::Expired,
-            token: 1,
-        } => {}
+        LeaseEvent::Lost { reason: LossReason::Expired, token: 1 } => {}
         e => panic!("{e:?}"),
     }
     let took = t0.elapsed();
-    assert!(
-        took <= Duration::from_millis(1500) + Duration::from_millis(400),
-        "lost within the window: {took:?}"
-    );
+    assert!(took <= Duration::from_millis(1500) + Duration::from_millis(400), "lost within the window: {took:?}");
     assert!(!t.is_active());
     redis.resume();
     drop(t);
@@ -238,28 +196,15 @@ async fn deleted_key_is_retaken_and_overwritten_key_is_lost_once() {
     let mut a = node(&redis.url(), "d", "a");
     let t = elected(&mut a).await;
     let mut admin = redis.admin();
-    let _: () = redis::cmd("DEL")
-        .arg("{d}:lease")
-        .query(&mut admin)
-        .expect("del");
+    let _: () = redis::cmd("DEL").arg("{d}:lease").query(&mut admin).expect("del");
     sleep(Duration::from_secs(1)).await;
     assert!(t.is_active());
     no_event(&mut a);
-    let v: String = redis::cmd("GET")
-        .arg("{d}:lease")
-        .query(&mut admin)
-        .expect("get");
+    let v: String = redis::cmd("GET").arg("{d}:lease").query(&mut admin).expect("get");
     assert_eq!(v, "a:1");
-    let _: () = redis::cmd("SET")
-        .arg("{d}:lease")
-        .arg("intruder:9")
-        .query(&mut admin)
-        .expect("set");
+    let _: () = redis::cmd("SET").arg("{d}:lease").arg("intruder:9").query(&mut admin).expect("set");
     match next_event(&mut a).await {
-        LeaseEvent::Lost {
-            token: 1,
-            reason: LossReason::TakenBy(h),
-        } => assert_eq!(h, "intruder:9"),
+        LeaseEvent::Lost { token: 1, reason: LossReason::TakenBy(h) } => assert_eq!(h, "intruder:9"),
         e => panic!("{e:?}"),
     }
     sleep(Duration::from_secs(1)).await;
@@ -270,25 +215,14 @@ async fn deleted_key_is_retaken_and_overwritten_key_is_lost_once() {
 async fn acl_denying_eval_short_is_survived_long_loses() {
     let redis = RedisServer::start();
     let mut admin = redis.admin();
-    let _: () = redis::cmd("ACL")
-        .arg(&["SETUSER", "fk", "on", ">pw", "~*", "&*", "+@all"][..])
-        .query(&mut admin)
-        .expect("acl");
+    let _: () =
+        redis::cmd("ACL").arg(&["SETUSER", "fk", "on", ">pw", "~*", "&*", "+@all"][..]).query(&mut admin).expect("acl");
     let url = format!("redis://fk:pw@127.0.0.1:{}/", redis.port());
     let mut a = node(&url, "acl", "a");
     let t = elected(&mut a).await;
     let deny = |admin: &mut redis::Connection, on: bool| {
-        let rule = if on {
-            ["-eval", "-evalsha"]
-        } else {
-            ["+eval", "+evalsha"]
-        };
-        let _: () = redis::cmd("ACL")
-            .arg("SETUSER")
-            .arg("fk")
-            .arg(&rule[..])
-            .query(admin)
-            .expect("acl");
+        let rule = if on { ["-eval", "-evalsha"] } else { ["+eval", "+evalsha"] };
+        let _: () = redis::cmd("ACL").arg("SETUSER").arg("fk").arg(&rule[..]).query(admin).expect("acl");
     };
     deny(&mut admin, true);
     sleep(Duration::from_millis(700)).await;
@@ -298,10 +232,7 @@ async fn acl_denying_eval_short_is_survived_long_loses() {
     no_event(&mut a);
     deny(&mut admin, true);
     match next_event(&mut a).await {
-        LeaseEvent::Lost {
-            reason: LossReason::Expired,
-            ..
-        } => {}
+        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
         e => panic!("{e:?}"),
     }
     deny(&mut admin, false);
@@ -321,10 +252,7 @@ async fn leader_cut_off_from_redis_loses_and_the_standby_takes_over() {
     no_event(&mut b);
     proxy.set_cut(true);
     match next_event(&mut a).await {
-        LeaseEvent::Lost {
-            reason: LossReason::Expired,
-            ..
-        } => {}
+        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
         e => panic!("{e:?}"),
     }
     let lost_at = Instant::now();
@@ -332,10 +260,7 @@ async fn leader_cut_off_from_redis_loses_and_the_standby_takes_over() {
     assert!(tb.token() > ta.token());
     // The standby can only win after the server expired a's key, which is after a stopped.
     assert!(!ta.is_active());
-    eprintln!(
-        "standby elected {:?} after the old leader stopped",
-        lost_at.elapsed()
-    );
+    eprintln!("standby elected {:?} after the old leader stopped", lost_at.elapsed());
     proxy.set_cut(false);
     drop(ta);
     sleep(Duration::from_secs(1)).await;
@@ -367,13 +292,7 @@ impl Probe {
         Self { child, lines }
     }
     fn signal(&self, sig: &str) {
-        assert!(
-            Command::new("kill")
-                .args([sig, &self.child.id().to_string()])
-                .status()
-                .expect("kill")
-                .success()
-        );
+        assert!(Command::new("kill").args([sig, &self.child.id().to_string()]).status().expect("kill").success());
     }
     fn lines(&self) -> Vec<String> {
         self.lines.lock().expect("lines").clone()
@@ -384,11 +303,7 @@ impl Probe {
             if let Some(l) = self.lines().into_iter().find(|l| pred(l)) {
                 return l;
             }
-            assert!(
-                Instant::now() < deadline,
-                "probe never printed the line; got {:?}",
-                self.lines()
-            );
+            assert!(Instant::now() < deadline, "probe never printed the line; got {:?}", self.lines());
             sleep(Duration::from_millis(20)).await;
         }
     }
@@ -417,21 +332,11 @@ async fn a_leader_frozen_past_its_ttl_is_fenced_when_it_wakes() {
     // After waking, `a` made no successful write: its deadline had passed (it checks it
     // before acting), and the store would have refused token 1 anyway.
     let after: Vec<String> = a.lines()[a_lines_before..].to_vec();
-    assert!(
-        !after.iter().any(|l| l == "write ok 1"),
-        "stale writes after waking: {after:?}"
-    );
+    assert!(!after.iter().any(|l| l == "write ok 1"), "stale writes after waking: {after:?}");
     let mut admin = redis.admin();
-    let writes: Vec<u64> = redis::cmd("LRANGE")
-        .arg("{frozen}:writes")
-        .arg(0)
-        .arg(-1)
-        .query(&mut admin)
-        .expect("lrange");
-    assert!(
-        writes.windows(2).all(|w| w[0] <= w[1]),
-        "a token-1 write landed after token 2: {writes:?}"
-    );
+    let writes: Vec<u64> =
+        redis::cmd("LRANGE").arg("{frozen}:writes").arg(0).arg(-1).query(&mut admin).expect("lrange");
+    assert!(writes.windows(2).all(|w| w[0] <= w[1]), "a token-1 write landed after token 2: {writes:?}");
     assert!(writes.contains(&1) && writes.contains(&2));
     // And the store itself refuses the stale token.
     let refused: i64 = redis::Script::new(

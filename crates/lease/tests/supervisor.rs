@@ -50,10 +50,7 @@ impl Mock {
     }
     fn holder(&self) -> Option<String> {
         let mut s = self.s.lock().unwrap();
-        if s.holder
-            .as_ref()
-            .is_some_and(|(_, exp)| *exp <= Instant::now())
-        {
+        if s.holder.as_ref().is_some_and(|(_, exp)| *exp <= Instant::now()) {
             s.holder = None;
         }
         s.holder.as_ref().map(|(v, _)| v.clone())
@@ -79,12 +76,7 @@ impl Mock {
 }
 
 impl Backend for Mock {
-    async fn acquire(
-        &self,
-        instance: &str,
-        ttl: Duration,
-        floor: u64,
-    ) -> Result<Acquire, BackendError> {
+    async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let delay = self.s.lock().unwrap().acquire_delay;
         sleep(delay).await;
         self.gate().await?;
@@ -97,12 +89,7 @@ impl Backend for Mock {
         s.holder = Some((format!("{instance}:{token}"), Instant::now() + ttl));
         Ok(Acquire::Acquired { token })
     }
-    async fn renew(
-        &self,
-        instance: &str,
-        token: u64,
-        ttl: Duration,
-    ) -> Result<Renew, BackendError> {
+    async fn renew(&self, instance: &str, token: u64, ttl: Duration) -> Result<Renew, BackendError> {
         self.gate().await?;
         let value = format!("{instance}:{token}");
         let current = self.holder();
@@ -118,16 +105,12 @@ impl Backend for Mock {
                 s.holder = Some((value, Instant::now() + ttl));
                 Ok(Renew::Retaken)
             }
-            None => Ok(Renew::Fenced {
-                fence: Some(s.fence),
-            }),
+            None => Ok(Renew::Fenced { fence: Some(s.fence) }),
         }
     }
     async fn release(&self, instance: &str) -> Result<bool, BackendError> {
         self.gate().await?;
-        let ours = self
-            .holder()
-            .is_some_and(|h| h.starts_with(&format!("{instance}:")));
+        let ours = self.holder().is_some_and(|h| h.starts_with(&format!("{instance}:")));
         if ours {
             self.s.lock().unwrap().holder = None;
             self.released.notify_waiters();
@@ -141,12 +124,7 @@ impl Backend for Mock {
     }
     async fn snapshot(&self) -> Result<Snapshot, BackendError> {
         let fence = self.s.lock().unwrap().fence;
-        Ok(Snapshot {
-            holder: self.holder(),
-            fence,
-            fence_seen: 0,
-            ttl: None,
-        })
+        Ok(Snapshot { holder: self.holder(), fence, fence_seen: 0, ttl: None })
     }
     fn release_signal(&self) -> Option<Arc<Notify>> {
         Some(self.released.clone())
@@ -157,17 +135,9 @@ fn cfg() -> LeaseConfig {
     LeaseConfig::default() // ttl 10 s, renew 2 s, op timeout 1 s, margin 2.5 s, poll 1 s
 }
 
-fn start(
-    m: &Mock,
-    name: &str,
-) -> (
-    lease::LeaseHandle,
-    mpsc::UnboundedReceiver<LeaseEvent>,
-    Arc<dyn Clock>,
-) {
+fn start(m: &Mock, name: &str) -> (lease::LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>, Arc<dyn Clock>) {
     let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
-    let (h, ev) =
-        lease::spawn_as(Arc::new(m.clone()), cfg(), clock.clone(), name).expect("valid config");
+    let (h, ev) = lease::spawn_as(Arc::new(m.clone()), cfg(), clock.clone(), name).expect("valid config");
     (h, ev, clock)
 }
 
@@ -219,10 +189,7 @@ async fn failing_store_keeps_the_leader_exactly_until_send_time_plus_window() {
     settle().await;
     assert!(!t.is_active(), "not leading after the deadline");
     match ev.try_recv() {
-        Ok(LeaseEvent::Lost {
-            token: 1,
-            reason: LossReason::Expired,
-        }) => {}
+        Ok(LeaseEvent::Lost { token: 1, reason: LossReason::Expired }) => {}
         other => panic!("expected Lost(Expired), got {other:?}"),
     }
     assert!(t.cancellation().is_cancelled());
@@ -236,10 +203,7 @@ async fn a_hanging_store_cannot_stretch_the_deadline() {
     m.set_mode(Mode::Hang);
     let before = clock.now();
     match ev.recv().await {
-        Some(LeaseEvent::Lost {
-            reason: LossReason::Expired,
-            ..
-        }) => {}
+        Some(LeaseEvent::Lost { reason: LossReason::Expired, .. }) => {}
         other => panic!("{other:?}"),
     }
     // Elected at ~0 (acquire sent at 0), no renewal ever answered: lost at 7.5 s sharp.
@@ -284,10 +248,7 @@ async fn overwritten_key_loses_once_and_waits_for_the_term_to_drop() {
     let t = elected(&mut ev).await;
     m.force(Some("b:7"), Some(7));
     match ev.recv().await {
-        Some(LeaseEvent::Lost {
-            token: 1,
-            reason: LossReason::TakenBy(holder),
-        }) => assert_eq!(holder, "b:7"),
+        Some(LeaseEvent::Lost { token: 1, reason: LossReason::TakenBy(holder) }) => assert_eq!(holder, "b:7"),
         other => panic!("{other:?}"),
     }
     assert!(!t.is_active());
@@ -295,10 +256,7 @@ async fn overwritten_key_loses_once_and_waits_for_the_term_to_drop() {
     // The other holder goes away; while we still hold the lost term we must not contend.
     m.force(None, None);
     sleep(Duration::from_secs(30)).await;
-    assert!(
-        ev.try_recv().is_err(),
-        "no new term while the lost one is alive"
-    );
+    assert!(ev.try_recv().is_err(), "no new term while the lost one is alive");
     assert_eq!(m.holder(), None);
     drop(t);
     let t2 = elected(&mut ev).await;
@@ -312,10 +270,7 @@ async fn fence_moved_on_means_lost() {
     let _t = elected(&mut ev).await;
     m.force(None, Some(5));
     match ev.recv().await {
-        Some(LeaseEvent::Lost {
-            reason: LossReason::Fenced(Some(5)),
-            ..
-        }) => {}
+        Some(LeaseEvent::Lost { reason: LossReason::Fenced(Some(5)), .. }) => {}
         other => panic!("{other:?}"),
     }
 }
@@ -333,9 +288,7 @@ async fn step_down_keeps_renewing_through_a_long_drain_then_releases() {
         assert!(t2.is_active(), "still leading at the end of the drain");
         Ok::<(), String>(())
     };
-    h.step_down_with(drain, Duration::from_secs(60))
-        .await
-        .expect("clean step-down");
+    h.step_down_with(drain, Duration::from_secs(60)).await.expect("clean step-down");
     assert!(m.renews() >= before + 7, "renewed during the drain");
     assert_eq!(m.holder(), None, "released");
     assert!(!t.is_active());
@@ -351,22 +304,10 @@ async fn failed_drain_leaves_the_lease_to_expire() {
     let m = Mock::new();
     let (h, mut ev, _) = start(&m, "a");
     let t = elected(&mut ev).await;
-    let r = h
-        .step_down_with(
-            async { Err::<(), _>("sink unreachable") },
-            Duration::from_secs(5),
-        )
-        .await;
-    assert_eq!(
-        r,
-        Err(StepDownError::DrainFailed("sink unreachable".into()))
-    );
+    let r = h.step_down_with(async { Err::<(), _>("sink unreachable") }, Duration::from_secs(5)).await;
+    assert_eq!(r, Err(StepDownError::DrainFailed("sink unreachable".into())));
     assert!(!t.is_active(), "intake stops");
-    assert_eq!(
-        m.holder().as_deref(),
-        Some("a:1"),
-        "not released: left to expire"
-    );
+    assert_eq!(m.holder().as_deref(), Some("a:1"), "not released: left to expire");
     sleep(Duration::from_secs(11)).await;
     assert_eq!(m.holder(), None, "expired on its own");
     h.join().await;
@@ -403,10 +344,7 @@ async fn shutdown_during_acquire_releases_what_was_acquired() {
     sleep(Duration::from_secs(2)).await;
     let h = stop.await.expect("shutdown");
     assert_eq!(m.holder(), None, "released");
-    assert!(
-        !matches!(ev.try_recv(), Ok(LeaseEvent::Elected(_))),
-        "never announced"
-    );
+    assert!(!matches!(ev.try_recv(), Ok(LeaseEvent::Elected(_))), "never announced");
     assert_eq!(h.status(), Status::Stopped);
 }
 
@@ -421,10 +359,7 @@ async fn standby_takes_over_at_once_on_release() {
     a.shutdown().await;
     let tb = elected(&mut ev_b).await;
     let gap = clock.now() - released_at;
-    assert!(
-        gap < Duration::from_millis(50),
-        "woken by the release signal, not the poll: {gap:?}"
-    );
+    assert!(gap < Duration::from_millis(50), "woken by the release signal, not the poll: {gap:?}");
     assert_eq!(tb.token(), 2);
 }
 
@@ -448,15 +383,9 @@ async fn standbys_contend_with_jitter_and_one_wins() {
 
 #[test]
 fn invalid_config_is_refused() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .expect("rt");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("rt");
     rt.block_on(async {
-        let bad = LeaseConfig {
-            margin: Duration::from_secs(20),
-            ..LeaseConfig::default()
-        };
+        let bad = LeaseConfig { margin: Duration::from_secs(20), ..LeaseConfig::default() };
         let r = lease::spawn(Arc::new(Mock::new()), bad, Arc::new(TokioClock::new()));
         assert!(r.is_err());
     });

@@ -32,30 +32,21 @@ pub struct Conn {
 
 impl std::fmt::Debug for Conn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conn")
-            .field("op_timeout", &self.op_timeout)
-            .finish_non_exhaustive()
+        f.debug_struct("Conn").field("op_timeout", &self.op_timeout).finish_non_exhaustive()
     }
 }
 
 /// Describes a redis error without the URL (which may hold a password).
 #[must_use]
 pub fn describe(e: &redis::RedisError) -> String {
-    e.code().map_or_else(
-        || format!("{:?}", e.kind()),
-        |c| format!("{c}: {}", e.detail().unwrap_or_default()),
-    )
+    e.code().map_or_else(|| format!("{:?}", e.kind()), |c| format!("{c}: {}", e.detail().unwrap_or_default()))
 }
 
 impl Conn {
     /// A connection to `url`; nothing is opened until the first call.
     pub fn open(url: &str, op_timeout: Duration) -> Result<Self, OpError> {
         let client = redis::Client::open(url).map_err(|e| OpError::Unavailable(describe(&e)))?;
-        Ok(Self {
-            client,
-            op_timeout,
-            conn: Mutex::new(None),
-        })
+        Ok(Self { client, op_timeout, conn: Mutex::new(None) })
     }
 
     /// The underlying client (for pub/sub, which needs its own connection).
@@ -94,9 +85,7 @@ impl Conn {
                     c
                 }
             };
-            f(conn)
-                .await
-                .map_err(|e| OpError::Unavailable(describe(&e)))
+            f(conn).await.map_err(|e| OpError::Unavailable(describe(&e)))
         };
         let r = match tokio::time::timeout(self.op_timeout, attempt).await {
             Ok(r) => r,
@@ -117,9 +106,7 @@ pub fn pair(v: &Value) -> Result<(i64, String), String> {
                 return Err(format!("status not an integer: {v:?}"));
             };
             let detail = match &items[1] {
-                Value::BulkString(b) => {
-                    String::from_utf8(b.clone()).map_err(|_| format!("detail not UTF-8: {v:?}"))?
-                }
+                Value::BulkString(b) => String::from_utf8(b.clone()).map_err(|_| format!("detail not UTF-8: {v:?}"))?,
                 Value::SimpleString(s) => s.clone(),
                 Value::Int(i) => i.to_string(),
                 _ => return Err(format!("detail not a string: {v:?}")),

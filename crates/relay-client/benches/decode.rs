@@ -9,8 +9,7 @@ use relay_client::frame::{self, Frame, Message};
 use relay_client::json;
 
 fn load() -> Vec<Vec<u8>> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/pds-capture.frames");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames");
     let raw = std::fs::read(path).expect("fixture");
     let mut out = Vec::new();
     let mut at = 0;
@@ -53,12 +52,8 @@ fn bench(c: &mut Criterion) {
         });
     });
     let mut out = String::with_capacity(64 << 10);
-    g.bench_function("full (records as JSON)", |b| {
-        b.iter(|| black_box(full(&frames, &mut out, false)))
-    });
-    g.bench_function("full + sha256 block verify", |b| {
-        b.iter(|| black_box(full(&frames, &mut out, true)))
-    });
+    g.bench_function("full (records as JSON)", |b| b.iter(|| black_box(full(&frames, &mut out, false))));
+    g.bench_function("full + sha256 block verify", |b| b.iter(|| black_box(full(&frames, &mut out, true))));
     g.bench_function("full frame JSON lines", |b| {
         b.iter(|| {
             for f in &frames {

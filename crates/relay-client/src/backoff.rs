@@ -13,10 +13,7 @@ pub struct BackoffConfig {
 
 impl Default for BackoffConfig {
     fn default() -> Self {
-        Self {
-            initial: Duration::from_millis(250),
-            max: Duration::from_secs(30),
-        }
+        Self { initial: Duration::from_millis(250), max: Duration::from_secs(30) }
     }
 }
 
@@ -34,9 +31,7 @@ impl Backoff {
     /// A backoff seeded from the clock and the address of a stack value.
     #[must_use]
     pub fn new(cfg: BackoffConfig) -> Self {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         let local = 0u8;
         Self::with_seed(cfg, t ^ (std::ptr::addr_of!(local) as u64).rotate_left(32))
     }
@@ -44,11 +39,7 @@ impl Backoff {
     /// A deterministic backoff, for tests.
     #[must_use]
     pub fn with_seed(cfg: BackoffConfig, seed: u64) -> Self {
-        Self {
-            cfg,
-            attempt: 0,
-            rng: seed | 1,
-        }
+        Self { cfg, attempt: 0, rng: seed | 1 }
     }
 
     /// The nominal (un-jittered) delay of the next attempt.
@@ -68,9 +59,7 @@ impl Backoff {
         self.rng ^= self.rng >> 27;
         let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
         let half = d / 2;
-        let span = u64::try_from(half.as_nanos())
-            .unwrap_or(u64::MAX)
-            .saturating_add(1);
+        let span = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
         half + Duration::from_nanos(r % span)
     }
 
@@ -92,10 +81,7 @@ mod tests {
 
     #[test]
     fn doubles_caps_jitters_and_resets() {
-        let cfg = BackoffConfig {
-            initial: Duration::from_millis(100),
-            max: Duration::from_secs(1),
-        };
+        let cfg = BackoffConfig { initial: Duration::from_millis(100), max: Duration::from_secs(1) };
         let mut b = Backoff::with_seed(cfg, 7);
         let nominal = [100, 200, 400, 800, 1000, 1000];
         for n in nominal {

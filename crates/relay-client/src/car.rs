@@ -34,8 +34,7 @@ impl<'a> Car<'a> {
         let mut blocks = Vec::new();
         let mut at = hend;
         while at < b.len() {
-            let (len, n) =
-                cid::uvarint(&b[at..]).map_err(|_| car_err("bad block length varint"))?;
+            let (len, n) = cid::uvarint(&b[at..]).map_err(|_| car_err("bad block length varint"))?;
             let start = at + n;
             let end = usize::try_from(len)
                 .ok()
@@ -43,26 +42,16 @@ impl<'a> Car<'a> {
                 .filter(|&e| e <= b.len())
                 .ok_or_else(|| car_err(format!("block at byte {at} runs past end")))?;
             let section = &b[start..end];
-            let clen = cid::prefix_len(section).map_err(|source| DecodeError::Cid {
-                field: "CAR block",
-                source,
-            })?;
+            let clen = cid::prefix_len(section).map_err(|source| DecodeError::Cid { field: "CAR block", source })?;
             let (c, data) = section.split_at(clen);
-            let c = Cid::from_bytes(c).map_err(|source| DecodeError::Cid {
-                field: "CAR block",
-                source,
-            })?;
+            let c = Cid::from_bytes(c).map_err(|source| DecodeError::Cid { field: "CAR block", source })?;
             if verify {
                 verify_block(c, data)?;
             }
             blocks.push((c, data));
             at = end;
         }
-        Ok(Self {
-            roots,
-            blocks,
-            sorted: false,
-        })
+        Ok(Self { roots, blocks, sorted: false })
     }
 
     /// Number of blocks.
@@ -89,15 +78,9 @@ impl<'a> Car<'a> {
     #[must_use]
     pub fn get(&self, c: Cid<'_>) -> Option<&'a [u8]> {
         if self.sorted {
-            self.blocks
-                .binary_search_by(|(k, _)| k.as_bytes().cmp(c.as_bytes()))
-                .ok()
-                .map(|i| self.blocks[i].1)
+            self.blocks.binary_search_by(|(k, _)| k.as_bytes().cmp(c.as_bytes())).ok().map(|i| self.blocks[i].1)
         } else {
-            self.blocks
-                .iter()
-                .find(|(k, _)| k.as_bytes() == c.as_bytes())
-                .map(|(_, d)| *d)
+            self.blocks.iter().find(|(k, _)| k.as_bytes() == c.as_bytes()).map(|(_, d)| *d)
         }
     }
 
@@ -108,10 +91,7 @@ impl<'a> Car<'a> {
 }
 
 fn parse_header(b: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
-    let cb = |source| DecodeError::Cbor {
-        part: "car header",
-        source,
-    };
+    let cb = |source| DecodeError::Cbor { part: "car header", source };
     let mut r = Reader::new(b);
     let n = r.map().map_err(cb)?;
     let mut roots = None;
@@ -126,10 +106,7 @@ fn parse_header(b: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
                 let mut v = Vec::with_capacity(len.min(16) as usize);
                 for _ in 0..len {
                     let c = r.link().map_err(cb)?;
-                    v.push(Cid::from_bytes(c).map_err(|source| DecodeError::Cid {
-                        field: "CAR root",
-                        source,
-                    })?);
+                    v.push(Cid::from_bytes(c).map_err(|source| DecodeError::Cid { field: "CAR root", source })?);
                 }
                 roots = Some(v);
             }
@@ -241,9 +218,6 @@ mod tests {
         let last = tampered.len() - 1;
         tampered[last] ^= 1;
         assert!(Car::parse(&tampered, false).is_ok());
-        assert!(matches!(
-            Car::parse(&tampered, true),
-            Err(DecodeError::Car(_))
-        ));
+        assert!(matches!(Car::parse(&tampered, true), Err(DecodeError::Car(_))));
     }
 }

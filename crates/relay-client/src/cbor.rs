@@ -99,29 +99,19 @@ impl<'a> Reader<'a> {
 
     /// Fails unless the whole input was consumed.
     pub fn end(&self) -> Result<(), CborError> {
-        if self.is_empty() {
-            Ok(())
-        } else {
-            Err(CborError::TrailingBytes { at: self.pos })
-        }
+        if self.is_empty() { Ok(()) } else { Err(CborError::TrailingBytes { at: self.pos }) }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], CborError> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|&e| e <= self.buf.len())
-            .ok_or(CborError::Truncated { at: self.pos })?;
+        let end =
+            self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(CborError::Truncated { at: self.pos })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
     }
 
     fn byte(&mut self) -> Result<u8, CborError> {
-        let b = *self
-            .buf
-            .get(self.pos)
-            .ok_or(CborError::Truncated { at: self.pos })?;
+        let b = *self.buf.get(self.pos).ok_or(CborError::Truncated { at: self.pos })?;
         self.pos += 1;
         Ok(b)
     }
@@ -143,12 +133,8 @@ impl<'a> Reader<'a> {
         let arg = match info {
             0..=23 => u64::from(info),
             24 => u64::from(self.byte()?),
-            25 => u64::from(u16::from_be_bytes(
-                self.take(2)?.try_into().unwrap_or_default(),
-            )),
-            26 => u64::from(u32::from_be_bytes(
-                self.take(4)?.try_into().unwrap_or_default(),
-            )),
+            25 => u64::from(u16::from_be_bytes(self.take(2)?.try_into().unwrap_or_default())),
+            26 => u64::from(u32::from_be_bytes(self.take(4)?.try_into().unwrap_or_default())),
             27 => u64::from_be_bytes(self.take(8)?.try_into().unwrap_or_default()),
             31 => return Err(CborError::Indefinite { at }),
             _ => return Err(CborError::Reserved { at, byte: ib }),
@@ -176,11 +162,7 @@ impl<'a> Reader<'a> {
     fn expect(&mut self, want: Major, what: &'static str) -> Result<Head, CborError> {
         let at = self.pos;
         let h = self.head()?;
-        if h.major == want {
-            Ok(h)
-        } else {
-            Err(CborError::Unexpected { at, expected: what })
-        }
+        if h.major == want { Ok(h) } else { Err(CborError::Unexpected { at, expected: what }) }
     }
 
     /// Reads an unsigned integer.
@@ -196,10 +178,7 @@ impl<'a> Reader<'a> {
             Major::Unsigned => i64::try_from(h.arg).ok(),
             Major::Negative => i64::try_from(h.arg).ok().map(|v| -1 - v),
             _ => {
-                return Err(CborError::Unexpected {
-                    at,
-                    expected: "integer",
-                });
+                return Err(CborError::Unexpected { at, expected: "integer" });
             }
         };
         v.ok_or(CborError::IntegerRange { at })
@@ -229,20 +208,9 @@ impl<'a> Reader<'a> {
     pub fn bool(&mut self) -> Result<bool, CborError> {
         let at = self.pos;
         match self.head()? {
-            Head {
-                major: Major::Simple,
-                info: 20,
-                ..
-            } => Ok(false),
-            Head {
-                major: Major::Simple,
-                info: 21,
-                ..
-            } => Ok(true),
-            _ => Err(CborError::Unexpected {
-                at,
-                expected: "boolean",
-            }),
+            Head { major: Major::Simple, info: 20, .. } => Ok(false),
+            Head { major: Major::Simple, info: 21, .. } => Ok(true),
+            _ => Err(CborError::Unexpected { at, expected: "boolean" }),
         }
     }
 
@@ -403,11 +371,7 @@ impl Writer {
 
     /// Writes a signed integer.
     pub fn int(&mut self, v: i64) -> &mut Self {
-        if v >= 0 {
-            self.head(0, v.unsigned_abs())
-        } else {
-            self.head(1, (-1 - v).unsigned_abs())
-        }
+        if v >= 0 { self.head(0, v.unsigned_abs()) } else { self.head(1, (-1 - v).unsigned_abs()) }
     }
 
     /// Writes a text string.
@@ -468,18 +432,9 @@ mod tests {
 
     #[test]
     fn rejects_non_minimal_and_indefinite() {
-        assert!(matches!(
-            Reader::new(&[0x18, 0x01]).u64(),
-            Err(CborError::NonMinimal { .. })
-        ));
-        assert!(matches!(
-            Reader::new(&[0x19, 0x00, 0xff]).u64(),
-            Err(CborError::NonMinimal { .. })
-        ));
-        assert!(matches!(
-            Reader::new(&[0xbf]).map(),
-            Err(CborError::Indefinite { .. })
-        ));
+        assert!(matches!(Reader::new(&[0x18, 0x01]).u64(), Err(CborError::NonMinimal { .. })));
+        assert!(matches!(Reader::new(&[0x19, 0x00, 0xff]).u64(), Err(CborError::NonMinimal { .. })));
+        assert!(matches!(Reader::new(&[0xbf]).map(), Err(CborError::Indefinite { .. })));
         assert_eq!(Reader::new(&[0x18, 0x18]).u64().ok(), Some(24));
     }
 
@@ -491,78 +446,40 @@ mod tests {
         assert!(Reader::new(&w.buf).skip().is_ok());
         let mut w = Writer::new();
         w.map(2).str("aa").int(1).str("b").int(2);
-        assert!(matches!(
-            Reader::new(&w.buf).skip(),
-            Err(CborError::KeyOrder { .. })
-        ));
+        assert!(matches!(Reader::new(&w.buf).skip(), Err(CborError::KeyOrder { .. })));
         let mut w = Writer::new();
         w.map(2).str("a").int(1).str("a").int(2);
-        assert!(matches!(
-            Reader::new(&w.buf).skip(),
-            Err(CborError::KeyOrder { .. })
-        ));
+        assert!(matches!(Reader::new(&w.buf).skip(), Err(CborError::KeyOrder { .. })));
     }
 
     #[test]
     fn floats_and_simples() {
-        assert!(matches!(
-            Reader::new(&[0xf7]).skip(),
-            Err(CborError::BadSimple { .. })
-        ));
-        assert!(matches!(
-            Reader::new(&[0xfa, 0, 0, 0, 0]).skip(),
-            Err(CborError::BadFloat { .. })
-        ));
+        assert!(matches!(Reader::new(&[0xf7]).skip(), Err(CborError::BadSimple { .. })));
+        assert!(matches!(Reader::new(&[0xfa, 0, 0, 0, 0]).skip(), Err(CborError::BadFloat { .. })));
         let nan = f64::NAN.to_bits().to_be_bytes();
         let mut b = vec![0xfb];
         b.extend_from_slice(&nan);
-        assert!(matches!(
-            Reader::new(&b).skip(),
-            Err(CborError::BadFloat { .. })
-        ));
+        assert!(matches!(Reader::new(&b).skip(), Err(CborError::BadFloat { .. })));
         let mut b = vec![0xfb];
         b.extend_from_slice(&1.5f64.to_bits().to_be_bytes());
-        assert!(
-            matches!(Reader::new(&b).item(), Ok(Item::Float(f)) if (f - 1.5).abs() < f64::EPSILON)
-        );
+        assert!(matches!(Reader::new(&b).item(), Ok(Item::Float(f)) if (f - 1.5).abs() < f64::EPSILON));
     }
 
     #[test]
     fn deep_nesting_is_an_error_not_a_crash() {
         let b = vec![0x81; 100_000];
-        assert!(matches!(
-            Reader::new(&b).skip(),
-            Err(CborError::TooDeep { .. })
-        ));
+        assert!(matches!(Reader::new(&b).skip(), Err(CborError::TooDeep { .. })));
     }
 
     #[test]
     fn huge_lengths_are_truncation() {
         let b = [0x5b, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff];
-        assert!(matches!(
-            Reader::new(&b).bytes(),
-            Err(CborError::Truncated { .. })
-        ));
+        assert!(matches!(Reader::new(&b).bytes(), Err(CborError::Truncated { .. })));
     }
 
     #[test]
     fn writer_roundtrips_integers() {
-        for v in [
-            0i64,
-            1,
-            23,
-            24,
-            255,
-            256,
-            65535,
-            65536,
-            1 << 40,
-            -1,
-            -24,
-            -25,
-            -1000,
-            i64::MIN,
-        ] {
+        for v in [0i64, 1, 23, 24, 255, 256, 65535, 65536, 1 << 40, -1, -24, -25, -1000, i64::MIN] {
             let mut w = Writer::new();
             w.int(v);
             let mut r = Reader::new(&w.buf);

@@ -35,8 +35,7 @@ pub fn uvarint(b: &[u8]) -> Result<(u64, usize), CidError> {
 /// Parses the CID at the start of `b` and returns its length in bytes.
 pub fn prefix_len(b: &[u8]) -> Result<usize, CidError> {
     // Fast path: the one shape atproto uses, 0x01 0x71|0x55 0x12 0x20 + 32 bytes.
-    if b.len() >= LEN && b[0] == 1 && (b[1] == 0x71 || b[1] == 0x55) && b[2] == 0x12 && b[3] == 0x20
-    {
+    if b.len() >= LEN && b[0] == 1 && (b[1] == 0x71 || b[1] == 0x55) && b[2] == 0x12 && b[3] == 0x20 {
         return Ok(LEN);
     }
     let mut at = 0;
@@ -68,11 +67,7 @@ pub fn prefix_len(b: &[u8]) -> Result<usize, CidError> {
 
 /// Checks that `b` is exactly one valid atproto CID.
 pub fn check(b: &[u8]) -> Result<(), CidError> {
-    if prefix_len(b)? == b.len() {
-        Ok(())
-    } else {
-        Err(CidError::TrailingBytes)
-    }
+    if prefix_len(b)? == b.len() { Ok(()) } else { Err(CidError::TrailingBytes) }
 }
 
 /// A borrowed, validated CID.
@@ -170,26 +165,12 @@ mod tests {
     #[test]
     fn base32_and_base64_vectors() {
         // RFC 4648 test vectors.
-        for (i, want) in [
-            "",
-            "my",
-            "mzxq",
-            "mzxw6",
-            "mzxw6yq",
-            "mzxw6ytb",
-            "mzxw6ytboi",
-        ]
-        .iter()
-        .enumerate()
-        {
+        for (i, want) in ["", "my", "mzxq", "mzxw6", "mzxw6yq", "mzxw6ytb", "mzxw6ytboi"].iter().enumerate() {
             let mut s = String::new();
             base32_lower(&b"foobar"[..i], &mut s);
             assert_eq!(&s, want);
         }
-        for (i, want) in ["", "Zg", "Zm8", "Zm9v", "Zm9vYg", "Zm9vYmE", "Zm9vYmFy"]
-            .iter()
-            .enumerate()
-        {
+        for (i, want) in ["", "Zg", "Zm8", "Zm9v", "Zm9vYg", "Zm9vYmE", "Zm9vYmFy"].iter().enumerate() {
             let mut s = String::new();
             base64_std(&b"foobar"[..i], &mut s);
             assert_eq!(&s, want);

@@ -292,9 +292,7 @@ impl fmt::Debug for Subscription {
 }
 
 fn ws_config(max: usize) -> WebSocketConfig {
-    WebSocketConfig::default()
-        .max_message_size(Some(max))
-        .max_frame_size(Some(max))
+    WebSocketConfig::default().max_message_size(Some(max)).max_frame_size(Some(max))
 }
 
 impl Subscription {
@@ -323,11 +321,7 @@ impl Subscription {
 
     /// (Re)starts on `relay` from `cursor` (events after it). Drops any open connection.
     pub fn start(&mut self, relay: RelayRole, cursor: Option<u64>) {
-        let relay = if self.secondary.is_none() {
-            RelayRole::Primary
-        } else {
-            relay
-        };
+        let relay = if self.secondary.is_none() { RelayRole::Primary } else { relay };
         if relay != self.active {
             self.failures = 0;
             self.probe_ok = 0;
@@ -340,8 +334,7 @@ impl Subscription {
         if let Some(p) = self.probe.take() {
             p.abort();
         }
-        self.next_probe =
-            (relay == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
+        self.next_probe = (relay == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
     }
 
     /// The relay in use.
@@ -407,10 +400,7 @@ impl Subscription {
             sleep_until(at).await;
         }
         let relay = self.active;
-        let url = self
-            .url(relay)
-            .unwrap_or(&self.primary)
-            .subscribe_url(self.cursor);
+        let url = self.url(relay).unwrap_or(&self.primary).subscribe_url(self.cursor);
         let cfg = ws_config(self.cfg.max_frame_bytes);
         let attempt = timeout(
             self.cfg.connect_timeout,
@@ -431,10 +421,7 @@ impl Subscription {
                     warned_backwards: false,
                 });
                 tracing::info!(relay = relay.as_str(), cursor = ?self.cursor, "connected to relay");
-                self.queue.push_back(Item::Notice(Notice::Connected {
-                    relay,
-                    cursor: self.cursor,
-                }));
+                self.queue.push_back(Item::Notice(Notice::Connected { relay, cursor: self.cursor }));
             }
             Ok(Err(e)) => self.fail(ConnError::Connect(describe(&e))),
             Err(_) => self.fail(ConnError::ConnectTimeout(self.cfg.connect_timeout)),
@@ -448,17 +435,9 @@ impl Subscription {
         self.stats.disconnects += 1;
         self.failures = if was_healthy { 1 } else { self.failures + 1 };
         let can_switch = self.secondary.is_some() && self.failures >= self.cfg.failover_after;
-        let retry_in = if can_switch {
-            Duration::ZERO
-        } else {
-            self.backoff.next_delay()
-        };
+        let retry_in = if can_switch { Duration::ZERO } else { self.backoff.next_delay() };
         tracing::warn!(relay = relay.as_str(), reason = error.reason(), %error, retry_in_ms = retry_in.as_millis() as u64, "relay connection ended");
-        self.queue.push_back(Item::Notice(Notice::Disconnected {
-            relay,
-            error,
-            retry_in,
-        }));
+        self.queue.push_back(Item::Notice(Notice::Disconnected { relay, error, retry_in }));
         if can_switch {
             self.request_switch(relay.other(), SwitchReason::Failover);
         } else {
@@ -474,12 +453,7 @@ impl Subscription {
         if let Some(p) = self.probe.take() {
             p.abort();
         }
-        tracing::warn!(
-            from = from.as_str(),
-            to = to.as_str(),
-            ?reason,
-            "switching relay"
-        );
+        tracing::warn!(from = from.as_str(), to = to.as_str(), ?reason, "switching relay");
         self.queue.push_back(Item::SwitchRelay { from, to, reason });
     }
 
@@ -492,11 +466,7 @@ impl Subscription {
         let stall_at = conn.last_data.max(wait_started) + cfg.stall_timeout;
         let pong_at = conn.pong_due;
         let next_ping = conn.next_ping;
-        let probe_at = if self.probe.is_none() {
-            self.next_probe
-        } else {
-            None
-        };
+        let probe_at = if self.probe.is_none() { self.next_probe } else { None };
         let far = Instant::now() + Duration::from_secs(86_400);
         tokio::select! {
             biased;
@@ -544,12 +514,7 @@ impl Subscription {
     fn on_probe(&mut self, ok: bool) {
         self.next_probe = Some(Instant::now() + self.cfg.probe_interval);
         self.probe_ok = if ok { self.probe_ok + 1 } else { 0 };
-        tracing::debug!(
-            relay = "primary",
-            ok,
-            streak = self.probe_ok,
-            "failback probe"
-        );
+        tracing::debug!(relay = "primary", ok, streak = self.probe_ok, "failback probe");
         if self.active == RelayRole::Secondary && self.probe_ok >= self.cfg.probe_successes {
             self.request_switch(RelayRole::Primary, SwitchReason::Failback);
         }
@@ -567,16 +532,9 @@ impl Subscription {
             }
             Some(Err(tungstenite::Error::Capacity(_))) => {
                 self.stats.bad_frames += 1;
-                let error = DecodeError::TooLarge {
-                    size: self.cfg.max_frame_bytes + 1,
-                    max: self.cfg.max_frame_bytes,
-                };
+                let error = DecodeError::TooLarge { size: self.cfg.max_frame_bytes + 1, max: self.cfg.max_frame_bytes };
                 tracing::error!(relay = relay.as_str(), %error, cursor = ?self.cursor, "oversized frame; reconnecting");
-                self.queue.push_back(Item::Notice(Notice::BadFrame {
-                    relay,
-                    seq: None,
-                    error,
-                }));
+                self.queue.push_back(Item::Notice(Notice::BadFrame { relay, seq: None, error }));
                 self.fail(ConnError::TooLarge(self.cfg.max_frame_bytes));
                 return Ok(None);
             }
@@ -589,9 +547,7 @@ impl Subscription {
         let bytes = match msg {
             WsMessage::Binary(b) => b,
             WsMessage::Text(t) => {
-                return Ok(Some(
-                    self.bad_frame(None, DecodeError::TextMessage { len: t.len() }),
-                ));
+                return Ok(Some(self.bad_frame(None, DecodeError::TextMessage { len: t.len() })));
             }
             WsMessage::Pong(_) => {
                 if let Some(c) = self.conn.as_mut() {
@@ -633,11 +589,7 @@ impl Subscription {
                     Notice::OutdatedCursor { relay, message }
                 } else {
                     tracing::info!(relay = relay.as_str(), name = i.name, message = ?message, "relay info");
-                    Notice::Info {
-                        relay,
-                        name: i.name.to_owned(),
-                        message,
-                    }
+                    Notice::Info { relay, name: i.name.to_owned(), message }
                 };
                 return Ok(Some(Item::Notice(notice)));
             }
@@ -661,11 +613,7 @@ impl Subscription {
                         got = seq,
                         "relay seq went backwards; dropping frames until it passes the last seq"
                     );
-                    return Ok(Some(Item::Notice(Notice::SeqBackwards {
-                        relay,
-                        last,
-                        got: seq,
-                    })));
+                    return Ok(Some(Item::Notice(Notice::SeqBackwards { relay, last, got: seq })));
                 }
             }
             return Ok(None);
@@ -687,11 +635,7 @@ impl Subscription {
         Item::Notice(Notice::BadFrame { relay, seq, error })
     }
 
-    fn on_error_frame(
-        &mut self,
-        error: &str,
-        message: Option<&str>,
-    ) -> Result<Option<Item>, SubscribeError> {
+    fn on_error_frame(&mut self, error: &str, message: Option<&str>) -> Result<Option<Item>, SubscribeError> {
         let relay = self.active;
         let message = message.unwrap_or_default().to_owned();
         if error == "FutureCursor" {
@@ -701,26 +645,16 @@ impl Subscription {
                 FutureCursorPolicy::Fail => {
                     self.conn = None;
                     self.awaiting_start = true;
-                    return Err(SubscribeError::FutureCursor {
-                        relay,
-                        cursor,
-                        message,
-                    });
+                    return Err(SubscribeError::FutureCursor { relay, cursor, message });
                 }
                 FutureCursorPolicy::GoLive => {
                     self.cursor = None;
                     self.conn = None;
-                    return Ok(Some(Item::Notice(Notice::WentLive {
-                        relay,
-                        rejected: cursor,
-                    })));
+                    return Ok(Some(Item::Notice(Notice::WentLive { relay, rejected: cursor })));
                 }
             }
         }
-        self.fail(ConnError::ErrorFrame {
-            error: error.to_owned(),
-            message,
-        });
+        self.fail(ConnError::ErrorFrame { error: error.to_owned(), message });
         Ok(None)
     }
 }
@@ -730,11 +664,7 @@ impl Subscription {
 async fn probe(url: url::Url, cfg: &ClientConfig) -> bool {
     let conn = timeout(
         cfg.connect_timeout,
-        tokio_tungstenite::connect_async_with_config(
-            url.as_str(),
-            Some(ws_config(cfg.max_frame_bytes)),
-            true,
-        ),
+        tokio_tungstenite::connect_async_with_config(url.as_str(), Some(ws_config(cfg.max_frame_bytes)), true),
     )
     .await;
     let Ok(Ok((mut ws, _))) = conn else {

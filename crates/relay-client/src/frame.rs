@@ -145,10 +145,9 @@ impl<'a> RepoOp<'a> {
         if self.action == Action::Delete {
             return Ok(None);
         }
-        let data = car.get(cid).ok_or_else(|| DecodeError::MissingBlock {
-            path: self.path.to_owned(),
-            cid: cid.to_string(),
-        })?;
+        let data = car
+            .get(cid)
+            .ok_or_else(|| DecodeError::MissingBlock { path: self.path.to_owned(), cid: cid.to_string() })?;
         Record::new(data).map(Some)
     }
 }
@@ -160,16 +159,10 @@ pub struct Record<'a>(&'a [u8]);
 impl<'a> Record<'a> {
     /// Validates `data` as a single strict DAG-CBOR map.
     pub fn new(data: &'a [u8]) -> Result<Self, DecodeError> {
-        let cb = |source| DecodeError::Cbor {
-            part: "record",
-            source,
-        };
+        let cb = |source| DecodeError::Cbor { part: "record", source };
         let mut r = Reader::new(data);
         if data.first().is_none_or(|b| b >> 5 != 5) {
-            return Err(cb(CborError::Unexpected {
-                at: 0,
-                expected: "record map",
-            }));
+            return Err(cb(CborError::Unexpected { at: 0, expected: "record map" }));
         }
         r.skip().map_err(cb)?;
         r.end().map_err(cb)?;
@@ -303,10 +296,7 @@ pub struct Info<'a> {
 pub fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
     let mut r = Reader::new(bytes);
     let (op, t) = header(&mut r)?;
-    let cb = |source| DecodeError::Cbor {
-        part: "body",
-        source,
-    };
+    let cb = |source| DecodeError::Cbor { part: "body", source };
     let frame = match op {
         1 => {
             let t = t.ok_or(DecodeError::MissingType)?;
@@ -316,10 +306,7 @@ pub fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
                 "#identity" => Message::Identity(identity(&mut r)?),
                 "#account" => Message::Account(account(&mut r)?),
                 "#info" => Message::Info(info(&mut r)?),
-                _ => Message::Unknown {
-                    t,
-                    seq: unknown_seq(&mut r)?,
-                },
+                _ => Message::Unknown { t, seq: unknown_seq(&mut r)? },
             })
         }
         -1 => Frame::Error(error_body(&mut r)?),
@@ -330,10 +317,7 @@ pub fn decode(bytes: &[u8]) -> Result<Frame<'_>, DecodeError> {
 }
 
 fn header<'a>(r: &mut Reader<'a>) -> Result<(i64, Option<&'a str>), DecodeError> {
-    let cb = |source| DecodeError::Cbor {
-        part: "header",
-        source,
-    };
+    let cb = |source| DecodeError::Cbor { part: "header", source };
     let n = r.map().map_err(cb)?;
     let (mut op, mut t, mut prev) = (None, None, None);
     for _ in 0..n {
@@ -345,10 +329,7 @@ fn header<'a>(r: &mut Reader<'a>) -> Result<(i64, Option<&'a str>), DecodeError>
             _ => r.skip().map_err(cb)?,
         }
     }
-    let op = op.ok_or(DecodeError::MissingField {
-        kind: "header",
-        field: "op",
-    })?;
+    let op = op.ok_or(DecodeError::MissingField { kind: "header", field: "op" })?;
     Ok((op, t))
 }
 
@@ -357,10 +338,7 @@ fn fields<'a>(
     r: &mut Reader<'a>,
     mut f: impl FnMut(&'a str, &mut Reader<'a>) -> Result<bool, DecodeError>,
 ) -> Result<(), DecodeError> {
-    let cb = |source| DecodeError::Cbor {
-        part: "body",
-        source,
-    };
+    let cb = |source| DecodeError::Cbor { part: "body", source };
     let n = r.map().map_err(cb)?;
     let mut prev = None;
     for _ in 0..n {
@@ -374,10 +352,7 @@ fn fields<'a>(
 }
 
 fn cbody(source: CborError) -> DecodeError {
-    DecodeError::Cbor {
-        part: "body",
-        source,
-    }
+    DecodeError::Cbor { part: "body", source }
 }
 
 fn seq_value(r: &mut Reader<'_>) -> Result<u64, DecodeError> {
@@ -385,10 +360,7 @@ fn seq_value(r: &mut Reader<'_>) -> Result<u64, DecodeError> {
     u64::try_from(v)
         .ok()
         .filter(|&s| s <= MAX_SEQ)
-        .ok_or_else(|| DecodeError::BadValue {
-            field: "seq",
-            detail: format!("{v} is outside 0..=2^53-1"),
-        })
+        .ok_or_else(|| DecodeError::BadValue { field: "seq", detail: format!("{v} is outside 0..=2^53-1") })
 }
 
 fn link<'a>(r: &mut Reader<'a>, field: &'static str) -> Result<Cid<'a>, DecodeError> {
@@ -397,19 +369,11 @@ fn link<'a>(r: &mut Reader<'a>, field: &'static str) -> Result<Cid<'a>, DecodeEr
 }
 
 fn opt_link<'a>(r: &mut Reader<'a>, field: &'static str) -> Result<Option<Cid<'a>>, DecodeError> {
-    if r.null() {
-        Ok(None)
-    } else {
-        link(r, field).map(Some)
-    }
+    if r.null() { Ok(None) } else { link(r, field).map(Some) }
 }
 
 fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
-    if r.null() {
-        Ok(None)
-    } else {
-        r.str().map(Some).map_err(cbody)
-    }
+    if r.null() { Ok(None) } else { r.str().map(Some).map_err(cbody) }
 }
 
 fn need<T>(v: Option<T>, kind: &'static str, field: &'static str) -> Result<T, DecodeError> {
@@ -465,8 +429,7 @@ fn repo_ops<'a>(r: &mut Reader<'a>) -> Result<Vec<RepoOp<'a>>, DecodeError> {
     // Relays cap ops at 200; never pre-allocate from an untrusted length.
     let mut ops = Vec::with_capacity(n.min(256) as usize);
     for _ in 0..n {
-        let (mut action, mut path, mut cid, mut prev, mut has_cid) =
-            (None, None, None, None, false);
+        let (mut action, mut path, mut cid, mut prev, mut has_cid) = (None, None, None, None, false);
         fields(r, |k, r| {
             match k {
                 "action" => {
@@ -494,10 +457,7 @@ fn repo_ops<'a>(r: &mut Reader<'a>) -> Result<Vec<RepoOp<'a>>, DecodeError> {
         })?;
         let action = need(action, K, "action")?;
         if !has_cid {
-            return Err(DecodeError::MissingField {
-                kind: K,
-                field: "cid",
-            });
+            return Err(DecodeError::MissingField { kind: K, field: "cid" });
         }
         if action != Action::Delete && cid.is_none() {
             return Err(DecodeError::BadValue {
@@ -505,12 +465,7 @@ fn repo_ops<'a>(r: &mut Reader<'a>) -> Result<Vec<RepoOp<'a>>, DecodeError> {
                 detail: format!("{} op without a CID", action.as_str()),
             });
         }
-        ops.push(RepoOp {
-            action,
-            path: need(path, K, "path")?,
-            cid,
-            prev,
-        });
+        ops.push(RepoOp { action, path: need(path, K, "path")?, cid, prev });
     }
     Ok(ops)
 }
@@ -551,12 +506,7 @@ fn identity<'a>(r: &mut Reader<'a>) -> Result<Identity<'a>, DecodeError> {
         }
         Ok(true)
     })?;
-    Ok(Identity {
-        seq: need(seq, K, "seq")?,
-        did: need(did, K, "did")?,
-        time: need(time, K, "time")?,
-        handle,
-    })
+    Ok(Identity { seq: need(seq, K, "seq")?, did: need(did, K, "did")?, time: need(time, K, "time")?, handle })
 }
 
 fn account<'a>(r: &mut Reader<'a>) -> Result<Account<'a>, DecodeError> {
@@ -592,10 +542,7 @@ fn info<'a>(r: &mut Reader<'a>) -> Result<Info<'a>, DecodeError> {
         }
         Ok(true)
     })?;
-    Ok(Info {
-        name: need(name, "#info", "name")?,
-        message,
-    })
+    Ok(Info { name: need(name, "#info", "name")?, message })
 }
 
 fn error_body<'a>(r: &mut Reader<'a>) -> Result<ErrorFrame<'a>, DecodeError> {
@@ -608,10 +555,7 @@ fn error_body<'a>(r: &mut Reader<'a>) -> Result<ErrorFrame<'a>, DecodeError> {
         }
         Ok(true)
     })?;
-    Ok(ErrorFrame {
-        error: need(error, "error frame", "error")?,
-        message,
-    })
+    Ok(ErrorFrame { error: need(error, "error frame", "error")?, message })
 }
 
 fn unknown_seq(r: &mut Reader<'_>) -> Result<Option<u64>, DecodeError> {

@@ -133,21 +133,46 @@ fn opt_cid(out: &mut String, c: Option<Cid<'_>>) {
     }
 }
 
+/// How [`write_frame_with`] treats ops and records.
+#[derive(Default)]
+pub struct FrameOptions<'f> {
+    /// Check every CAR block's sha2-256 against its CID.
+    pub verify_blocks: bool,
+    /// Keep only ops this accepts (collection filters); `None` keeps all.
+    pub keep_op: Option<&'f dyn Fn(&crate::frame::RepoOp<'_>) -> bool>,
+    /// Write `"record":null,"recordError":"<reason>"` for a bad record instead of failing
+    /// the frame (one bad record must not hold back the stream).
+    pub lossy_records: bool,
+}
+
+/// What [`write_frame_with`] wrote.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    /// Ops written.
+    pub ops: usize,
+    /// Ops dropped by the filter.
+    pub filtered: usize,
+    /// Records replaced by null because they could not be decoded.
+    pub record_errors: usize,
+}
+
 /// Appends the one-line JSON form of a frame, records included (the shape of the
 /// fixture's `pds-capture.expected.jsonl`). Fails only on record problems (a missing
 /// block, an invalid record or CAR); then nothing meaningful was written.
-pub fn write_frame(
-    frame: &Frame<'_>,
-    verify_blocks: bool,
-    out: &mut String,
-) -> Result<(), DecodeError> {
+pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> Result<(), DecodeError> {
+    write_frame_with(frame, &FrameOptions { verify_blocks, ..FrameOptions::default() }, out).map(|_| ())
+}
+
+/// [`write_frame`] with filtering and lossy record handling.
+pub fn write_frame_with(frame: &Frame<'_>, opts: &FrameOptions<'_>, out: &mut String) -> Result<Written, DecodeError> {
+    let mut written = Written::default();
     let m = match frame {
         Frame::Error(e) => {
             out.push_str("{\"op\":-1");
             field_str(out, "error", e.error);
             field_opt_str(out, "message", e.message);
             out.push('}');
-            return Ok(());
+            return Ok(written);
         }
         Frame::Message(m) => m,
     };
@@ -167,15 +192,17 @@ pub fn write_frame(
             opt_cid(out, Some(c.commit));
             field_str(out, "time", c.time);
             out.push_str(",\"ops\":[");
-            let car: Option<Car<'_>> = if c.ops.iter().any(|o| o.cid.is_some()) {
-                Some(c.car(verify_blocks)?)
-            } else {
-                None
-            };
-            for (i, op) in c.ops.iter().enumerate() {
-                if i > 0 {
+            let car: Option<Result<Car<'_>, DecodeError>> =
+                c.ops.iter().any(|o| o.cid.is_some()).then(|| c.car(opts.verify_blocks));
+            for op in &c.ops {
+                if opts.keep_op.is_some_and(|keep| !keep(op)) {
+                    written.filtered += 1;
+                    continue;
+                }
+                if written.ops > 0 {
                     out.push(',');
                 }
+                written.ops += 1;
                 out.push_str("{\"action\":\"");
                 out.push_str(op.action.as_str());
                 out.push('"');
@@ -185,14 +212,21 @@ pub fn write_frame(
                 out.push_str(",\"prev\":");
                 opt_cid(out, op.prev);
                 out.push_str(",\"record\":");
-                match car
-                    .as_ref()
-                    .map(|car| op.record(car))
-                    .transpose()?
-                    .flatten()
-                {
-                    Some(rec) => rec.write_json(out),
-                    None => out.push_str("null"),
+                let rec = match &car {
+                    None => Ok(None),
+                    Some(Ok(car)) => op.record(car),
+                    Some(Err(e)) => Err(e.clone()),
+                };
+                match rec {
+                    Ok(Some(rec)) => rec.write_json(out),
+                    Ok(None) => out.push_str("null"),
+                    Err(e) if opts.lossy_records => {
+                        written.record_errors += 1;
+                        out.push_str("null,\"recordError\":\"");
+                        out.push_str(e.reason());
+                        out.push('"');
+                    }
+                    Err(e) => return Err(e),
                 }
                 out.push('}');
             }
@@ -210,11 +244,7 @@ pub fn write_frame(
         }
         Message::Account(a) => {
             field_str(out, "did", a.did);
-            out.push_str(if a.active {
-                ",\"active\":true"
-            } else {
-                ",\"active\":false"
-            });
+            out.push_str(if a.active { ",\"active\":true" } else { ",\"active\":false" });
             field_opt_str(out, "status", a.status);
             field_str(out, "time", a.time);
         }
@@ -225,7 +255,7 @@ pub fn write_frame(
         Message::Unknown { .. } => {}
     }
     out.push('}');
-    Ok(())
+    Ok(written)
 }
 
 #[cfg(test)]
@@ -244,26 +274,14 @@ mod tests {
     fn data_model_mapping() {
         let cid = crate::car::cid_for(b"x");
         let mut w = Writer::new();
-        w.map(5)
-            .str("a")
-            .int(-3)
-            .str("b")
-            .bytes(b"hi")
-            .str("c")
-            .link(&cid)
-            .str("d")
-            .array(2)
-            .null()
-            .bool(true);
+        w.map(5).str("a").int(-3).str("b").bytes(b"hi").str("c").link(&cid).str("d").array(2).null().bool(true);
         w.str("nested").map(1).str("k").str("v");
         let mut out = String::new();
         write_cbor_as_json(&w.buf, &mut out);
         let c = Cid::from_bytes(&cid).expect("cid").to_string();
         assert_eq!(
             out,
-            format!(
-                r#"{{"a":-3,"b":{{"$bytes":"aGk"}},"c":{{"$link":"{c}"}},"d":[null,true],"nested":{{"k":"v"}}}}"#
-            )
+            format!(r#"{{"a":-3,"b":{{"$bytes":"aGk"}},"c":{{"$link":"{c}"}},"d":[null,true],"nested":{{"k":"v"}}}}"#)
         );
     }
 }

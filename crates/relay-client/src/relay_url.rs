@@ -84,18 +84,12 @@ impl RelayUrl {
         let _ = u.set_username("");
         let _ = u.set_password(None);
         let s = u.to_string();
-        if had_creds {
-            s.replacen("://", "://***@", 1)
-        } else {
-            s
-        }
+        if had_creds { s.replacen("://", "://***@", 1) } else { s }
     }
 }
 
 fn fingerprint(u: &Url) -> String {
-    let port = u
-        .port()
-        .map_or_else(|| "default".to_owned(), |p| p.to_string());
+    let port = u.port().map_or_else(|| "default".to_owned(), |p| p.to_string());
     let host = u.host_str().unwrap_or_default().to_lowercase();
     let normalized = format!("{}://{}:{}{}", u.scheme(), host, port, u.path());
     let digest = Sha256::digest(normalized.as_bytes());
@@ -131,10 +125,7 @@ mod tests {
     use super::*;
 
     fn sha(s: &str) -> String {
-        Sha256::digest(s.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        Sha256::digest(s.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
     }
 
     #[test]
@@ -153,17 +144,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_urls() {
-        assert!(
-            matches!(RelayUrl::parse("https://bsky.network"), Err(UrlError::Scheme(s)) if s == "https")
-        );
-        assert!(matches!(
-            RelayUrl::parse("not a url"),
-            Err(UrlError::Parse(_))
-        ));
-        assert!(matches!(
-            RelayUrl::parse("wss://h/?cursor=5"),
-            Err(UrlError::QueryOrFragment)
-        ));
+        assert!(matches!(RelayUrl::parse("https://bsky.network"), Err(UrlError::Scheme(s)) if s == "https"));
+        assert!(matches!(RelayUrl::parse("not a url"), Err(UrlError::Parse(_))));
+        assert!(matches!(RelayUrl::parse("wss://h/?cursor=5"), Err(UrlError::QueryOrFragment)));
     }
 
     #[test]

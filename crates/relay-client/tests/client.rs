@@ -7,16 +7,14 @@ use bytes::Bytes;
 use relay_client::backoff::BackoffConfig;
 use relay_client::client::{Stats, SwitchReason};
 use relay_client::{
-    ClientConfig, ConnError, DecodeError, Item, Notice, RelayRole, RelayUrl, SubscribeError,
-    Subscription,
+    ClientConfig, ConnError, DecodeError, Item, Notice, RelayRole, RelayUrl, SubscribeError, Subscription,
 };
 use relay_sim::{RelaySim, SimConfig, capture};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
 fn fixture() -> Vec<Bytes> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/pds-capture.frames");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames");
     capture::read(&p).expect("fixture")
 }
 
@@ -26,19 +24,14 @@ fn cfg() -> ClientConfig {
         ping_interval: Duration::from_millis(200),
         pong_timeout: Duration::from_secs(2),
         stall_timeout: Duration::from_secs(5),
-        backoff: BackoffConfig {
-            initial: Duration::from_millis(20),
-            max: Duration::from_millis(200),
-        },
+        backoff: BackoffConfig { initial: Duration::from_millis(20), max: Duration::from_millis(200) },
         healthy_after: Duration::from_millis(100),
         ..ClientConfig::default()
     }
 }
 
 async fn sim_with(cfg: SimConfig) -> RelaySim {
-    RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr"))
-        .await
-        .expect("sim")
+    RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
 }
 
 fn sub(sim: &RelaySim, cfg: ClientConfig) -> Subscription {
@@ -54,27 +47,12 @@ async fn collect(s: &mut Subscription, mut stop: impl FnMut(&[Item]) -> bool) ->
         }
     })
     .await
-    .unwrap_or_else(|_| {
-        panic!(
-            "deadline passed; got {} items, last {:?}",
-            items.len(),
-            items.last()
-        )
-    });
+    .unwrap_or_else(|_| panic!("deadline passed; got {} items, last {:?}", items.len(), items.last()));
     items
 }
 
 fn seqs(items: &[Item]) -> Vec<u64> {
-    items
-        .iter()
-        .filter_map(|i| {
-            if let Item::Frame(f) = i {
-                Some(f.seq)
-            } else {
-                None
-            }
-        })
-        .collect()
+    items.iter().filter_map(|i| if let Item::Frame(f) = i { Some(f.seq) } else { None }).collect()
 }
 
 fn last_seq_is(n: u64) -> impl FnMut(&[Item]) -> bool {
@@ -104,11 +82,7 @@ async fn replays_from_cursor_in_order() {
 
 #[tokio::test]
 async fn reconnects_after_close_and_resumes_without_gap_or_duplicate() {
-    let sim = sim_with(SimConfig {
-        initial_head: Some(300),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(300), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(0));
@@ -119,27 +93,17 @@ async fn reconnects_after_close_and_resumes_without_gap_or_duplicate() {
     assert_eq!(seqs(&items), (1..=1476).collect::<Vec<_>>());
     assert!(has_notice(&items, |n| matches!(
         n,
-        Notice::Disconnected {
-            error: ConnError::ClosedByRelay | ConnError::Io(_),
-            ..
-        }
+        Notice::Disconnected { error: ConnError::ClosedByRelay | ConnError::Io(_), .. }
     )));
     let cursors = h.cursors();
     assert_eq!(cursors.first(), Some(&Some(0)));
     assert!(cursors.len() >= 2, "reconnected: {cursors:?}");
-    assert!(
-        cursors[1].is_some_and(|c| c >= 300),
-        "resumed from the last delivered seq: {cursors:?}"
-    );
+    assert!(cursors[1].is_some_and(|c| c >= 300), "resumed from the last delivered seq: {cursors:?}");
 }
 
 #[tokio::test]
 async fn stall_on_data_reconnects_even_though_pings_are_answered() {
-    let sim = sim_with(SimConfig {
-        initial_head: Some(10),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(10), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut c = cfg();
     c.stall_timeout = Duration::from_millis(600);
@@ -148,18 +112,8 @@ async fn stall_on_data_reconnects_even_though_pings_are_answered() {
     let mut items = collect(&mut s, last_seq_is(10)).await;
     h.stall(true);
     items.extend(
-        collect(&mut s, |i| {
-            has_notice(i, |n| {
-                matches!(
-                    n,
-                    Notice::Disconnected {
-                        error: ConnError::Stalled(_),
-                        ..
-                    }
-                )
-            })
-        })
-        .await,
+        collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::Disconnected { error: ConnError::Stalled(_), .. })))
+            .await,
     );
     h.stall(false);
     h.publish_up_to(20);
@@ -170,11 +124,7 @@ async fn stall_on_data_reconnects_even_though_pings_are_answered() {
 
 #[tokio::test]
 async fn garbage_and_text_frames_are_skipped_and_the_stream_goes_on() {
-    let sim = sim_with(SimConfig {
-        initial_head: Some(5),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(5), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(0));
@@ -182,31 +132,13 @@ async fn garbage_and_text_frames_are_skipped_and_the_stream_goes_on() {
     h.send_raw(Bytes::from_static(&[0xa2, 0x61, 0x74, 0xff, 0x00]));
     h.send_text("hello");
     items.extend(
-        collect(&mut s, |i| {
-            i.iter()
-                .filter(|x| matches!(x, Item::Notice(Notice::BadFrame { .. })))
-                .count()
-                == 2
-        })
-        .await,
+        collect(&mut s, |i| i.iter().filter(|x| matches!(x, Item::Notice(Notice::BadFrame { .. }))).count() == 2).await,
     );
     h.publish_up_to(8);
     items.extend(collect(&mut s, last_seq_is(8)).await);
     assert_eq!(seqs(&items), (1..=8).collect::<Vec<_>>());
-    assert!(has_notice(&items, |n| matches!(
-        n,
-        Notice::BadFrame {
-            error: DecodeError::Cbor { .. },
-            ..
-        }
-    )));
-    assert!(has_notice(&items, |n| matches!(
-        n,
-        Notice::BadFrame {
-            error: DecodeError::TextMessage { len: 5 },
-            ..
-        }
-    )));
+    assert!(has_notice(&items, |n| matches!(n, Notice::BadFrame { error: DecodeError::Cbor { .. }, .. })));
+    assert!(has_notice(&items, |n| matches!(n, Notice::BadFrame { error: DecodeError::TextMessage { len: 5 }, .. })));
     assert_eq!(h.connects(), 1, "bad frames do not drop the connection");
     assert_eq!(s.stats().bad_frames, 2);
 }
@@ -214,47 +146,27 @@ async fn garbage_and_text_frames_are_skipped_and_the_stream_goes_on() {
 #[tokio::test]
 async fn bad_frame_with_readable_seq_reports_it() {
     let frames = fixture();
-    let sim = sim_with(SimConfig {
-        initial_head: Some(2),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(2), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(0));
     let mut items = collect(&mut s, last_seq_is(2)).await;
     // Frame 3 with its header's `op` replaced by 7, so the seq is readable but the frame is not.
     let mut bad = frames[2].to_vec();
-    let at = bad
-        .windows(3)
-        .position(|w| w == [0x62, b'o', b'p'])
-        .expect("op key");
+    let at = bad.windows(3).position(|w| w == [0x62, b'o', b'p']).expect("op key");
     bad[at + 3] = 0x07;
     h.send_raw(Bytes::from(bad));
-    items.extend(
-        collect(&mut s, |i| {
-            has_notice(i, |n| matches!(n, Notice::BadFrame { .. }))
-        })
-        .await,
-    );
+    items.extend(collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::BadFrame { .. }))).await);
     assert!(has_notice(&items, |n| matches!(
         n,
-        Notice::BadFrame {
-            seq: Some(3),
-            error: DecodeError::UnknownOp(7),
-            ..
-        }
+        Notice::BadFrame { seq: Some(3), error: DecodeError::UnknownOp(7), .. }
     )));
     assert_eq!(s.cursor(), Some(2), "a bad frame never moves the cursor");
 }
 
 #[tokio::test]
 async fn oversized_frame_is_refused_and_the_client_reconnects() {
-    let sim = sim_with(SimConfig {
-        initial_head: Some(3),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(3), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut c = cfg();
     c.max_frame_bytes = 64 << 10;
@@ -262,34 +174,12 @@ async fn oversized_frame_is_refused_and_the_client_reconnects() {
     s.start(RelayRole::Primary, Some(0));
     let mut items = collect(&mut s, last_seq_is(3)).await;
     h.send_raw(Bytes::from(vec![0u8; 200 << 10]));
-    items.extend(
-        collect(&mut s, |i| {
-            has_notice(i, |n| {
-                matches!(
-                    n,
-                    Notice::Connected {
-                        cursor: Some(3),
-                        ..
-                    }
-                )
-            })
-        })
-        .await,
-    );
+    items.extend(collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::Connected { cursor: Some(3), .. }))).await);
     assert!(has_notice(&items, |n| matches!(
         n,
-        Notice::BadFrame {
-            error: DecodeError::TooLarge { max: 65536, .. },
-            ..
-        }
+        Notice::BadFrame { error: DecodeError::TooLarge { max: 65536, .. }, .. }
     )));
-    assert!(has_notice(&items, |n| matches!(
-        n,
-        Notice::Disconnected {
-            error: ConnError::TooLarge(65536),
-            ..
-        }
-    )));
+    assert!(has_notice(&items, |n| matches!(n, Notice::Disconnected { error: ConnError::TooLarge(65536), .. })));
     h.publish_up_to(6);
     items.extend(collect(&mut s, last_seq_is(6)).await);
     assert_eq!(seqs(&items), (1..=6).collect::<Vec<_>>());
@@ -297,30 +187,13 @@ async fn oversized_frame_is_refused_and_the_client_reconnects() {
 
 #[tokio::test]
 async fn consumer_too_slow_reconnects_from_the_last_seq() {
-    let sim = sim_with(SimConfig {
-        initial_head: Some(50),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(50), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(0));
     let mut items = collect(&mut s, last_seq_is(50)).await;
     h.send_error("ConsumerTooSlow", "slow down");
-    items.extend(
-        collect(&mut s, |i| {
-            has_notice(i, |n| {
-                matches!(
-                    n,
-                    Notice::Connected {
-                        cursor: Some(50),
-                        ..
-                    }
-                )
-            })
-        })
-        .await,
-    );
+    items.extend(collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::Connected { cursor: Some(50), .. }))).await);
     assert!(has_notice(
         &items,
         |n| matches!(n, Notice::Disconnected { error: ConnError::ErrorFrame { error, .. }, .. } if error == "ConsumerTooSlow")
@@ -333,54 +206,30 @@ async fn future_cursor_fails_by_default() {
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(5000));
     let err = loop {
-        match tokio::time::timeout(DEADLINE, s.next())
-            .await
-            .expect("deadline")
-        {
+        match tokio::time::timeout(DEADLINE, s.next()).await.expect("deadline") {
             Ok(_) => {}
             Err(e) => break e,
         }
     };
-    assert!(
-        matches!(
-            err,
-            SubscribeError::FutureCursor {
-                relay: RelayRole::Primary,
-                cursor: Some(5000),
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, SubscribeError::FutureCursor { relay: RelayRole::Primary, cursor: Some(5000), .. }), "{err}");
     // It does not go on by itself.
     assert!(matches!(s.next().await, Err(SubscribeError::Closed)));
 }
 
 #[tokio::test]
 async fn outdated_cursor_is_reported_then_the_window_is_replayed() {
-    let sim = sim_with(SimConfig {
-        window_start: Some(100),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { window_start: Some(100), ..SimConfig::default() }).await;
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(5));
     let items = collect(&mut s, last_seq_is(1476)).await;
-    assert!(has_notice(&items, |n| matches!(
-        n,
-        Notice::OutdatedCursor { .. }
-    )));
+    assert!(has_notice(&items, |n| matches!(n, Notice::OutdatedCursor { .. })));
     assert_eq!(seqs(&items), (100..=1476).collect::<Vec<_>>());
 }
 
 #[tokio::test]
 async fn seq_reset_and_duplicates_are_dropped_and_reported() {
     let frames = fixture();
-    let sim = sim_with(SimConfig {
-        initial_head: Some(20),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(20), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(0));
@@ -390,12 +239,7 @@ async fn seq_reset_and_duplicates_are_dropped_and_reported() {
     // The relay restarts its numbering at 1.
     h.reset_seq(1);
     h.publish_up_to(40);
-    items.extend(
-        collect(&mut s, |i| {
-            has_notice(i, |n| matches!(n, Notice::SeqBackwards { .. }))
-        })
-        .await,
-    );
+    items.extend(collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::SeqBackwards { .. }))).await);
     // Drain the rest of the renumbered frames (all dropped); wait until counted.
     tokio::time::timeout(DEADLINE, async {
         while s.stats().backwards + s.stats().duplicates < 21 {
@@ -404,14 +248,7 @@ async fn seq_reset_and_duplicates_are_dropped_and_reported() {
     })
     .await
     .expect("all renumbered frames seen");
-    assert!(has_notice(&items, |n| matches!(
-        n,
-        Notice::SeqBackwards {
-            last: 20,
-            got: 1,
-            ..
-        }
-    )));
+    assert!(has_notice(&items, |n| matches!(n, Notice::SeqBackwards { last: 20, got: 1, .. })));
     assert_eq!(seqs(&items), (1..=20).collect::<Vec<_>>());
     let st: Stats = s.stats();
     // Renumbered 1..=20: 1..=19 went backwards, 20 equals the last seq (a duplicate).
@@ -421,12 +258,7 @@ async fn seq_reset_and_duplicates_are_dropped_and_reported() {
 
 #[tokio::test]
 async fn backoff_grows_while_down_and_resets_after_a_healthy_connection() {
-    let sim = sim_with(SimConfig {
-        initial_head: Some(1),
-        rate: Some(50),
-        ..SimConfig::default()
-    })
-    .await;
+    let sim = sim_with(SimConfig { initial_head: Some(1), rate: Some(50), ..SimConfig::default() }).await;
     let h = sim.handle();
     let mut s = sub(&sim, cfg());
     s.start(RelayRole::Primary, Some(0));
@@ -434,11 +266,7 @@ async fn backoff_grows_while_down_and_resets_after_a_healthy_connection() {
         items
             .iter()
             .filter_map(|i| {
-                if let Item::Notice(Notice::Disconnected { retry_in, .. }) = i {
-                    Some(*retry_in)
-                } else {
-                    None
-                }
+                if let Item::Notice(Notice::Disconnected { retry_in, .. }) = i { Some(*retry_in) } else { None }
             })
             .collect()
     };
@@ -457,11 +285,7 @@ async fn backoff_grows_while_down_and_resets_after_a_healthy_connection() {
     items = collect(&mut s, last_seq_is(h.head_seq() + 10)).await;
     h.close_all();
     items.extend(collect(&mut s, |i| !retries(i).is_empty()).await);
-    assert!(
-        retries(&items)[0] <= Duration::from_millis(20),
-        "reset after healthy: {:?}",
-        retries(&items)
-    );
+    assert!(retries(&items)[0] <= Duration::from_millis(20), "reset after healthy: {:?}", retries(&items));
 }
 
 #[tokio::test]
@@ -481,48 +305,24 @@ async fn fails_over_to_secondary_and_back_each_with_its_own_cursor() {
         Some(RelayUrl::parse(&secondary.url()).expect("url")),
     );
     s.start(RelayRole::Primary, Some(10));
-    let items = collect(&mut s, |i| {
-        matches!(i.last(), Some(Item::SwitchRelay { .. }))
-    })
-    .await;
+    let items = collect(&mut s, |i| matches!(i.last(), Some(Item::SwitchRelay { .. }))).await;
     assert!(matches!(
         items.last(),
-        Some(Item::SwitchRelay {
-            from: RelayRole::Primary,
-            to: RelayRole::Secondary,
-            reason: SwitchReason::Failover
-        })
+        Some(Item::SwitchRelay { from: RelayRole::Primary, to: RelayRole::Secondary, reason: SwitchReason::Failover })
     ));
-    assert_eq!(
-        items
-            .iter()
-            .filter(|i| matches!(i, Item::Notice(Notice::Disconnected { .. })))
-            .count(),
-        2
-    );
+    assert_eq!(items.iter().filter(|i| matches!(i, Item::Notice(Notice::Disconnected { .. }))).count(), 2);
     // The caller commits the primary cursor (10 here) and hands in the secondary's own.
     s.start(RelayRole::Secondary, Some(1000));
     let items = collect(&mut s, last_seq_is(1476)).await;
     assert_eq!(seqs(&items), (1001..=1476).collect::<Vec<_>>());
-    assert!(
-        items
-            .iter()
-            .all(|i| !matches!(i, Item::Frame(f) if f.relay != RelayRole::Secondary))
-    );
+    assert!(items.iter().all(|i| !matches!(i, Item::Frame(f) if f.relay != RelayRole::Secondary)));
     assert_eq!(secondary.handle().cursors(), vec![Some(1000)]);
     // Primary recovers: probes pass, the subscription asks to fail back.
     p.set_down(false);
-    let items = collect(&mut s, |i| {
-        matches!(i.last(), Some(Item::SwitchRelay { .. }))
-    })
-    .await;
+    let items = collect(&mut s, |i| matches!(i.last(), Some(Item::SwitchRelay { .. }))).await;
     assert!(matches!(
         items.last(),
-        Some(Item::SwitchRelay {
-            from: RelayRole::Secondary,
-            to: RelayRole::Primary,
-            reason: SwitchReason::Failback
-        })
+        Some(Item::SwitchRelay { from: RelayRole::Secondary, to: RelayRole::Primary, reason: SwitchReason::Failback })
     ));
     s.start(RelayRole::Primary, Some(1400));
     let items = collect(&mut s, last_seq_is(1476)).await;

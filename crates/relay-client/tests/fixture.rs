@@ -23,8 +23,7 @@ fn frames(bytes: &[u8]) -> Vec<&[u8]> {
 #[test]
 fn capture_matches_reference_decoding_line_for_line() {
     let raw = std::fs::read(shared().join("pds-capture.frames")).expect("fixture frames");
-    let expected = std::fs::read_to_string(shared().join("pds-capture.expected.jsonl"))
-        .expect("fixture jsonl");
+    let expected = std::fs::read_to_string(shared().join("pds-capture.expected.jsonl")).expect("fixture jsonl");
     let expected: Vec<&str> = expected.lines().collect();
     let frames = frames(&raw);
     assert_eq!(frames.len(), 1476);
@@ -39,11 +38,7 @@ fn capture_matches_reference_decoding_line_for_line() {
             commits += 1;
             ops += c.ops.len();
             let car = c.car(true).expect("car");
-            records += c
-                .ops
-                .iter()
-                .filter(|o| o.record(&car).expect("record").is_some())
-                .count();
+            records += c.ops.iter().filter(|o| o.record(&car).expect("record").is_some()).count();
         }
     }
     assert_eq!(commits, 1374);

@@ -28,10 +28,8 @@ pub fn parse(raw: &[u8]) -> Result<Vec<Bytes>, CaptureError> {
     let mut out = Vec::new();
     let mut at = 0;
     while at < raw.len() {
-        let len_bytes: [u8; 4] = raw
-            .get(at..at + 4)
-            .and_then(|s| s.try_into().ok())
-            .ok_or(CaptureError::Truncated { at, len: 4 })?;
+        let len_bytes: [u8; 4] =
+            raw.get(at..at + 4).and_then(|s| s.try_into().ok()).ok_or(CaptureError::Truncated { at, len: 4 })?;
         let len = u32::from_be_bytes(len_bytes) as usize;
         let end = at + 4 + len;
         if end > raw.len() {
@@ -53,8 +51,8 @@ pub fn read(path: &Path) -> Result<Vec<Bytes>, CaptureError> {
 
 /// Appends one message to a capture stream.
 pub fn write_frame(w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
-    let len = u32::try_from(frame.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame over 4 GiB"))?;
+    let len =
+        u32::try_from(frame.len()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame over 4 GiB"))?;
     w.write_all(&len.to_be_bytes())?;
     w.write_all(frame)
 }
@@ -70,13 +68,7 @@ mod tests {
         write_frame(&mut buf, b"").expect("write");
         let frames = parse(&buf).expect("parse");
         assert_eq!(frames, vec![Bytes::from_static(b"abc"), Bytes::new()]);
-        assert!(matches!(
-            parse(&buf[..5]),
-            Err(CaptureError::Truncated { at: 0, len: 3 })
-        ));
-        assert!(matches!(
-            parse(&buf[..2]),
-            Err(CaptureError::Truncated { at: 0, .. })
-        ));
+        assert!(matches!(parse(&buf[..5]), Err(CaptureError::Truncated { at: 0, len: 3 })));
+        assert!(matches!(parse(&buf[..2]), Err(CaptureError::Truncated { at: 0, .. })));
     }
 }

@@ -89,21 +89,17 @@ pub struct SimHandle {
 
 impl std::fmt::Debug for SimHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SimHandle")
-            .field("head", &*self.shared.head.borrow())
-            .finish_non_exhaustive()
+        f.debug_struct("SimHandle").field("head", &*self.shared.head.borrow()).finish_non_exhaustive()
     }
 }
 
 /// The seq of a frame, if it has one.
 #[must_use]
 pub fn frame_seq(bytes: &[u8]) -> Option<u64> {
-    relay_client::frame::decode(bytes)
-        .ok()
-        .and_then(|f| match f {
-            relay_client::Frame::Message(m) => m.seq(),
-            relay_client::Frame::Error(_) => None,
-        })
+    relay_client::frame::decode(bytes).ok().and_then(|f| match f {
+        relay_client::Frame::Message(m) => m.seq(),
+        relay_client::Frame::Error(_) => None,
+    })
 }
 
 /// `frame` with its body's seq replaced by `seq` (all else byte for byte the same).
@@ -111,9 +107,7 @@ pub fn frame_seq(bytes: &[u8]) -> Option<u64> {
 pub fn with_seq(frame: &[u8], seq: u64) -> Option<Bytes> {
     let span = relay_client::frame::seq_span(frame)?;
     let mut w = Writer::new();
-    w.raw(&frame[..span.start])
-        .int(i64::try_from(seq).ok()?)
-        .raw(&frame[span.end..]);
+    w.raw(&frame[..span.start]).int(i64::try_from(seq).ok()?).raw(&frame[span.end..]);
     Some(Bytes::from(w.buf))
 }
 
@@ -121,14 +115,7 @@ pub fn with_seq(frame: &[u8], seq: u64) -> Option<Bytes> {
 #[must_use]
 pub fn error_frame(error: &str, message: &str) -> Bytes {
     let mut w = Writer::new();
-    w.map(1)
-        .str("op")
-        .int(-1)
-        .map(2)
-        .str("error")
-        .str(error)
-        .str("message")
-        .str(message);
+    w.map(1).str("op").int(-1).map(2).str("error").str(error).str("message").str(message);
     Bytes::from(w.buf)
 }
 
@@ -136,36 +123,18 @@ pub fn error_frame(error: &str, message: &str) -> Bytes {
 #[must_use]
 pub fn info_frame(name: &str, message: &str) -> Bytes {
     let mut w = Writer::new();
-    w.map(2)
-        .str("t")
-        .str("#info")
-        .str("op")
-        .int(1)
-        .map(2)
-        .str("name")
-        .str(name)
-        .str("message")
-        .str(message);
+    w.map(2).str("t").str("#info").str("op").int(1).map(2).str("name").str(name).str("message").str(message);
     Bytes::from(w.buf)
 }
 
 impl RelaySim {
     /// Starts on a free loopback port with every frame published.
     pub async fn start(frames: Vec<Bytes>) -> std::io::Result<Self> {
-        Self::start_with(
-            frames,
-            SimConfig::default(),
-            "127.0.0.1:0".parse().expect("addr"),
-        )
-        .await
+        Self::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("addr")).await
     }
 
     /// Starts with explicit settings on `addr`.
-    pub async fn start_with(
-        frames: Vec<Bytes>,
-        cfg: SimConfig,
-        addr: SocketAddr,
-    ) -> std::io::Result<Self> {
+    pub async fn start_with(frames: Vec<Bytes>, cfg: SimConfig, addr: SocketAddr) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let frames: Vec<(u64, Bytes)> = {
@@ -190,9 +159,7 @@ impl RelaySim {
             open: AtomicU64::new(0),
             cursors: Mutex::new(Vec::new()),
         });
-        let handle = SimHandle {
-            shared: shared.clone(),
-        };
+        let handle = SimHandle { shared: shared.clone() };
         if let Some(rate) = cfg.rate.filter(|&r| r > 0) {
             let h = handle.clone();
             tokio::spawn(async move { h.pace(rate).await });
@@ -299,10 +266,7 @@ impl SimHandle {
 
     /// Sends an error frame and closes every connection.
     pub fn send_error(&self, error: &str, message: &str) {
-        let _ = self.shared.faults.send(Fault::Error {
-            error: error.to_owned(),
-            message: message.to_owned(),
-        });
+        let _ = self.shared.faults.send(Fault::Error { error: error.to_owned(), message: message.to_owned() });
     }
 
     /// Renumbers the frames not yet published so that they continue at `base`, `base+1`,
@@ -376,10 +340,7 @@ fn parse_cursor(query: Option<&str>) -> Result<Option<u64>, ()> {
     Ok(None)
 }
 
-async fn serve(
-    tcp: TcpStream,
-    shared: &Shared,
-) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite::tungstenite::Error> {
     let mut query = None;
     let ws = tokio_tungstenite::accept_hdr_async(tcp, |req: &Request, resp: Response| {
         query = req.uri().query().map(str::to_owned);
@@ -392,11 +353,7 @@ async fn serve(
     let mut stalled = shared.stalled.subscribe();
     shared.connects.fetch_add(1, Ordering::SeqCst);
     let Ok(cursor) = parse_cursor(query.as_deref()) else {
-        tx.send(Message::Binary(error_frame(
-            "InvalidRequest",
-            "cursor must be an integer",
-        )))
-        .await?;
+        tx.send(Message::Binary(error_frame("InvalidRequest", "cursor must be an integer"))).await?;
         return tx.close().await;
     };
     shared.cursors.lock().expect("cursors").push(cursor);
@@ -416,13 +373,8 @@ async fn serve(
             Some(c) if c > head_seq => Start::Future,
             Some(c) => {
                 let window = shared.cfg.window_start.unwrap_or(0);
-                let from =
-                    log.frames[..h].partition_point(|(s, _)| *s <= c.max(window.saturating_sub(1)));
-                if c.saturating_add(1) < window {
-                    Start::Outdated(from)
-                } else {
-                    Start::At(from)
-                }
+                let from = log.frames[..h].partition_point(|(s, _)| *s <= c.max(window.saturating_sub(1)));
+                if c.saturating_add(1) < window { Start::Outdated(from) } else { Start::At(from) }
             }
         }
     };
@@ -437,11 +389,7 @@ async fn serve(
             i
         }
         Start::Future => {
-            tx.send(Message::Binary(error_frame(
-                "FutureCursor",
-                "Cursor in the future.",
-            )))
-            .await?;
+            tx.send(Message::Binary(error_frame("FutureCursor", "Cursor in the future."))).await?;
             return tx.close().await;
         }
     };
@@ -453,10 +401,7 @@ async fn serve(
                 let log = shared.log.lock().expect("log");
                 let h = (*head.borrow()).min(log.frames.len());
                 let end = h.min(next + 256);
-                log.frames[next.min(end)..end]
-                    .iter()
-                    .map(|(_, f)| f.clone())
-                    .collect()
+                log.frames[next.min(end)..end].iter().map(|(_, f)| f.clone()).collect()
             };
             if !batch.is_empty() {
                 next += batch.len();
@@ -499,8 +444,7 @@ async fn apply(tx: &mut Tx, f: Fault) -> Result<bool, tokio_tungstenite::tungste
         Fault::Raw(b) => tx.send(Message::Binary(b)).await.map(|()| false),
         Fault::Text(t) => tx.send(Message::Text(t.into())).await.map(|()| false),
         Fault::Error { error, message } => {
-            tx.send(Message::Binary(error_frame(&error, &message)))
-                .await?;
+            tx.send(Message::Binary(error_frame(&error, &message))).await?;
             let _ = tx.close().await;
             Ok(true)
         }

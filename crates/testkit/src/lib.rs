@@ -20,10 +20,7 @@ use tokio::sync::watch;
 /// A port that was free a moment ago.
 #[must_use]
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    StdListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
 /// A `redis-server` child process owned by one test.
@@ -43,27 +40,14 @@ impl RedisServer {
     /// Starts with extra `redis-server` arguments (e.g. `--requirepass x`).
     #[must_use]
     pub fn start_with(extra: &[&str]) -> Self {
-        let mut s = Self {
-            port: free_port(),
-            child: None,
-            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
-        };
+        let mut s = Self { port: free_port(), child: None, extra: extra.iter().map(|s| (*s).to_owned()).collect() };
         s.spawn();
         s
     }
 
     fn spawn(&mut self) {
         let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--dir", &std::env::temp_dir().to_string_lossy()])
             .args(&self.extra)
             .stdout(Stdio::null())
@@ -92,9 +76,7 @@ impl RedisServer {
         let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(500)) else {
             return false;
         };
-        redis::cmd("PING")
-            .query::<String>(&mut c)
-            .is_ok_and(|p| p == "PONG")
+        redis::cmd("PING").query::<String>(&mut c).is_ok_and(|p| p == "PONG")
             || self.extra.iter().any(|e| e == "--requirepass")
     }
 
@@ -127,10 +109,7 @@ impl RedisServer {
 
     fn signal(&self, sig: &str) {
         if let Some(c) = &self.child {
-            let ok = Command::new("kill")
-                .args([sig, &c.id().to_string()])
-                .status()
-                .is_ok_and(|s| s.success());
+            let ok = Command::new("kill").args([sig, &c.id().to_string()]).status().is_ok_and(|s| s.success());
             assert!(ok, "kill {sig} redis-server");
         }
     }
@@ -210,13 +189,7 @@ impl TcpProxy {
                 });
             }
         });
-        Self {
-            addr,
-            cut,
-            latency_ms,
-            generation,
-            task,
-        }
+        Self { addr, cut, latency_ms, generation, task }
     }
 
     /// The address clients should use.
@@ -241,8 +214,7 @@ impl TcpProxy {
 
     /// Delays every chunk in both directions by this much.
     pub fn set_latency(&self, d: Duration) {
-        self.latency_ms
-            .store(d.as_millis() as u64, Ordering::SeqCst);
+        self.latency_ms.store(d.as_millis() as u64, Ordering::SeqCst);
     }
 }
 
@@ -253,11 +225,7 @@ impl Drop for TcpProxy {
     }
 }
 
-async fn pump(
-    r: &mut (impl AsyncReadExt + Unpin),
-    w: &mut (impl AsyncWriteExt + Unpin),
-    latency: Arc<AtomicU64>,
-) {
+async fn pump(r: &mut (impl AsyncReadExt + Unpin), w: &mut (impl AsyncWriteExt + Unpin), latency: Arc<AtomicU64>) {
     let mut buf = vec![0u8; 16 << 10];
     loop {
         let n = match r.read(&mut buf).await {
@@ -283,12 +251,7 @@ pub struct PgServer {
 
 fn pg_bin(name: &str) -> std::path::PathBuf {
     let mut dirs: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|rd| {
-            rd.filter_map(Result::ok)
-                .map(|e| e.path().join("bin").join(name))
-                .filter(|p| p.exists())
-                .collect()
-        })
+        .map(|rd| rd.filter_map(Result::ok).map(|e| e.path().join("bin").join(name)).filter(|p| p.exists()).collect())
         .unwrap_or_default();
     dirs.sort();
     dirs.pop().unwrap_or_else(|| name.into())
@@ -303,9 +266,7 @@ fn postgres_ids() -> Option<(u32, u32)> {
     let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
     passwd.lines().find_map(|l| {
         let f: Vec<&str> = l.split(':').collect();
-        (f.first() == Some(&"postgres"))
-            .then(|| Some((f.get(2)?.parse().ok()?, f.get(3)?.parse().ok()?)))
-            .flatten()
+        (f.first() == Some(&"postgres")).then(|| Some((f.get(2)?.parse().ok()?, f.get(3)?.parse().ok()?))).flatten()
     })
 }
 
@@ -330,27 +291,13 @@ impl PgServer {
         }
         let data = dir.join("data");
         let ok = as_postgres(&mut Command::new(pg_bin("initdb")))
-            .args([
-                "-D",
-                &data.to_string_lossy(),
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-                "-E",
-                "UTF8",
-            ])
+            .args(["-D", &data.to_string_lossy(), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
             .expect("initdb (scripts/ensure-deps.sh installs PostgreSQL)");
         assert!(ok.success(), "initdb failed");
-        let mut s = Self {
-            port,
-            dir,
-            child: None,
-        };
+        let mut s = Self { port, dir, child: None };
         s.spawn();
         s
     }
@@ -358,22 +305,8 @@ impl PgServer {
     fn spawn(&mut self) {
         let data = self.dir.join("data");
         let child = as_postgres(&mut Command::new(pg_bin("postgres")))
-            .args([
-                "-D",
-                &data.to_string_lossy(),
-                "-p",
-                &self.port.to_string(),
-                "-k",
-                &self.dir.to_string_lossy(),
-            ])
-            .args([
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-c",
-                "fsync=off",
-                "-c",
-                "full_page_writes=off",
-            ])
+            .args(["-D", &data.to_string_lossy(), "-p", &self.port.to_string(), "-k", &self.dir.to_string_lossy()])
+            .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "full_page_writes=off"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -382,14 +315,7 @@ impl PgServer {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             let ready = Command::new(pg_bin("pg_isready"))
-                .args([
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    &self.port.to_string(),
-                    "-U",
-                    "postgres",
-                ])
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .status()
@@ -412,9 +338,7 @@ impl PgServer {
     /// with its data.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-QUIT", &c.id().to_string()])
-                .status();
+            let _ = Command::new("kill").args(["-QUIT", &c.id().to_string()]).status();
             let _ = c.wait();
         }
     }

@@ -34,18 +34,13 @@ async fn main() {
         std::process::exit(2);
     };
     let ttl = Duration::from_millis(ttl_ms.parse().expect("TTL_MS"));
-    let cfg = LeaseConfig {
-        poll: Duration::from_millis(100),
-        key_prefix: prefix.clone(),
-        ..LeaseConfig::from_ttl(ttl)
-    };
+    let cfg =
+        LeaseConfig { poll: Duration::from_millis(100), key_prefix: prefix.clone(), ..LeaseConfig::from_ttl(ttl) };
     let backend = Arc::new(RedisBackend::new(url, prefix, cfg.op_timeout).expect("redis url"));
     let keys = backend.keys().clone();
-    let (handle, mut events) =
-        lease::spawn_as(backend, cfg, Arc::new(BootClock), name).expect("config");
+    let (handle, mut events) = lease::spawn_as(backend, cfg, Arc::new(BootClock), name).expect("config");
     let writer = redis::Client::open(url.as_str()).expect("url");
-    let mut term_ =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
+    let mut term_ = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal");
     loop {
         tokio::select! {
             ev = events.recv() => match ev {
@@ -82,9 +77,5 @@ async fn main() {
 
 /// `{prefix}:lease` → `prefix`.
 fn prefix_of(lease_key: &str) -> &str {
-    lease_key
-        .trim_start_matches('{')
-        .split('}')
-        .next()
-        .unwrap_or_default()
+    lease_key.trim_start_matches('{').split('}').next().unwrap_or_default()
 }

@@ -17,11 +17,7 @@ fn usage() -> ExitCode {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
-    let (mut path, mut listen, mut cfg) = (
-        None::<PathBuf>,
-        "127.0.0.1:2470".to_owned(),
-        SimConfig::default(),
-    );
+    let (mut path, mut listen, mut cfg) = (None::<PathBuf>, "127.0.0.1:2470".to_owned(), SimConfig::default());
     while let Some(a) = args.next() {
         let Some(v) = args.next() else { return usage() };
         let ok = match a.as_str() {
@@ -63,11 +59,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    eprintln!(
-        "relay-sim: serving {n} frames from {} on {}",
-        path.display(),
-        sim.url()
-    );
+    eprintln!("relay-sim: serving {n} frames from {} on {}", path.display(), sim.url());
     tokio::select! {
         () = sim.wait() => {}
         _ = tokio::signal::ctrl_c() => {}
