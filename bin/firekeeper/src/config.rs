@@ -149,7 +149,10 @@ impl Vars {
             Some(v) => match v.parse::<u64>() {
                 Ok(n) if n > 0 => Duration::from_millis(n),
                 _ => {
-                    self.errors.push(format!("FIREKEEPER_{}={v:?} is not a positive number of milliseconds", k.to_uppercase()));
+                    self.errors.push(format!(
+                        "FIREKEEPER_{}={v:?} is not a positive number of milliseconds",
+                        k.to_uppercase()
+                    ));
                     default
                 }
             },
@@ -162,7 +165,8 @@ impl Vars {
             Some(v) => match v.parse::<usize>() {
                 Ok(n) if n > 0 && n <= max => n,
                 _ => {
-                    self.errors.push(format!("FIREKEEPER_{}={v:?} must be a whole number in 1..={max}", k.to_uppercase()));
+                    self.errors
+                        .push(format!("FIREKEEPER_{}={v:?} must be a whole number in 1..={max}", k.to_uppercase()));
                     default
                 }
             },
@@ -201,12 +205,21 @@ impl Config {
             ),
         };
         let built = config::Config::builder()
-            .add_source(config::Environment::with_prefix("FIREKEEPER").prefix_separator("_").source(Some(fk.into_iter().collect())))
+            .add_source(
+                config::Environment::with_prefix("FIREKEEPER")
+                    .prefix_separator("_")
+                    .source(Some(fk.into_iter().collect())),
+            )
             .build()
             .and_then(config::Config::try_deserialize::<HashMap<String, String>>)
             .map_err(|e| ConfigErrors(vec![format!("reading FIREKEEPER_* variables: {e}")]))?;
         let mut v = Vars { map: built, errors: Vec::new() };
-        let mut unknown: Vec<String> = v.map.keys().filter(|k| !KNOWN.contains(&k.as_str())).map(|k| format!("FIREKEEPER_{}", k.to_uppercase())).collect();
+        let mut unknown: Vec<String> = v
+            .map
+            .keys()
+            .filter(|k| !KNOWN.contains(&k.as_str()))
+            .map(|k| format!("FIREKEEPER_{}", k.to_uppercase()))
+            .collect();
         unknown.sort();
         for u in unknown {
             v.errors.push(format!("{u} is not a firekeeper setting (see the README's table)"));
@@ -255,7 +268,9 @@ impl Config {
                 let batch = v.count("webhook_batch", 100, 10_000);
                 let timeout = v.ms("webhook_timeout_ms", Duration::from_secs(5));
                 match url {
-                    Some(u) if u.starts_with("http://") || u.starts_with("https://") => SinkKind::Webhook { url: u, batch, timeout },
+                    Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
+                        SinkKind::Webhook { url: u, batch, timeout }
+                    }
                     Some(_) => {
                         v.errors.push("FIREKEEPER_WEBHOOK_URL must be an http:// or https:// URL".into());
                         SinkKind::Null
@@ -278,11 +293,15 @@ impl Config {
             v.errors.push("FIREKEEPER_SINK=postgres keeps the cursor in the same transaction: set FIREKEEPER_CURSOR_STORE=postgres".into());
         }
         if store == StoreKind::Postgres && sink != SinkKind::Postgres && redis_url.is_none() {
-            v.errors.push("FIREKEEPER_CURSOR_STORE=postgres needs REDIS_URL for the lease (or use the postgres sink)".into());
+            v.errors.push(
+                "FIREKEEPER_CURSOR_STORE=postgres needs REDIS_URL for the lease (or use the postgres sink)".into(),
+            );
         }
 
-        let collections: Vec<String> =
-            v.get("collections").map(|c| c.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect()).unwrap_or_default();
+        let collections: Vec<String> = v
+            .get("collections")
+            .map(|c| c.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
+            .unwrap_or_default();
         for c in &collections {
             let body = c.strip_suffix(".*").unwrap_or(c);
             if body.is_empty() || !body.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '.' || ch == '-') {
@@ -348,7 +367,10 @@ impl Config {
         let lanes = v.count("lanes", 4, 256);
         let queue_depth = v.count("queue_depth", 1024, 1 << 20);
         if drain_budget >= lease.ttl * 10 {
-            v.errors.push("FIREKEEPER_DRAIN_BUDGET_MS is over ten lease ttls: a stuck drain would hold the lease for too long".into());
+            v.errors.push(
+                "FIREKEEPER_DRAIN_BUDGET_MS is over ten lease ttls: a stuck drain would hold the lease for too long"
+                    .into(),
+            );
         }
         let data_dir = PathBuf::from(v.get("data_dir").unwrap_or("firekeeper-data"));
         let legacy_cursor_prefix = v.get("legacy_cursor_prefix").map(str::to_owned);
@@ -447,7 +469,14 @@ mod tests {
         ])
         .expect_err("invalid");
         let text = e.to_string();
-        for name in ["FIREKEEPER_RELAY:", "FIREKEEPER_LEASE_TTL_MS", "FIREKEEPER_SINK", "FIREKEEPER_LANES", "FIREKEEPER_HTTP_ADDR", "FIREKEEPER_RELAY_SECUNDARY"] {
+        for name in [
+            "FIREKEEPER_RELAY:",
+            "FIREKEEPER_LEASE_TTL_MS",
+            "FIREKEEPER_SINK",
+            "FIREKEEPER_LANES",
+            "FIREKEEPER_HTTP_ADDR",
+            "FIREKEEPER_RELAY_SECUNDARY",
+        ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
         assert!(!text.contains("hunter2"), "secrets never echoed:\n{text}");
@@ -460,7 +489,8 @@ mod tests {
         assert!(e.to_string().contains("DATABASE_URL"));
         let e = cfg(&[("FIREKEEPER_LEASE_MARGIN_MS", "20000")]).expect_err("margin");
         assert!(e.to_string().contains("margin"));
-        let e = cfg(&[("FIREKEEPER_RELAY", "wss://a.example"), ("FIREKEEPER_RELAY_SECONDARY", "wss://A.example:443/")]).expect_err("same");
+        let e = cfg(&[("FIREKEEPER_RELAY", "wss://a.example"), ("FIREKEEPER_RELAY_SECONDARY", "wss://A.example:443/")])
+            .expect_err("same");
         assert!(e.to_string().contains("same relay"));
     }
 
