@@ -1,0 +1,373 @@
+//! End to end: the real binary, relay-sim replaying the real capture, real redis-server
+//! and PostgreSQL, and a webhook receiver that fails sometimes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use relay_sim::{RelaySim, SimConfig, capture};
+use testkit::{PgServer, RedisServer, free_port};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const WAIT: Duration = Duration::from_secs(60);
+const TOTAL: u64 = 1476;
+
+fn fixture() -> Vec<bytes::Bytes> {
+    capture::read(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames"))
+        .expect("fixture")
+}
+
+async fn sim(rate: Option<u32>) -> RelaySim {
+    let cfg = SimConfig { rate, initial_head: rate.map(|_| 0), ..SimConfig::default() };
+    RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fk-e2e-{name}-{}-{}", std::process::id(), free_port()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("tmp");
+    d
+}
+
+fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
+    [
+        ("FIREKEEPER_RELAY", relay.to_owned()),
+        ("FIREKEEPER_DATA_DIR", dir.join("data").to_string_lossy().into_owned()),
+        ("FIREKEEPER_HTTP_ADDR", "off".to_owned()),
+        ("FIREKEEPER_LEASE_TTL_MS", "2000".to_owned()),
+        ("FIREKEEPER_LEASE_RENEW_MS", "400".to_owned()),
+        ("FIREKEEPER_LEASE_OP_TIMEOUT_MS", "250".to_owned()),
+        ("FIREKEEPER_LEASE_MARGIN_MS", "500".to_owned()),
+        ("FIREKEEPER_LEASE_POLL_MS", "200".to_owned()),
+        ("FIREKEEPER_COMMIT_INTERVAL_MS", "100".to_owned()),
+        ("RUST_LOG", "info".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+fn firekeeper(env: &HashMap<String, String>, args: &[&str], log: &Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("firekeeper binary")
+}
+
+fn run_once(env: &HashMap<String, String>, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env)
+        .output()
+        .expect("firekeeper binary")
+}
+
+/// seq → how many lines carry it, over all the given jsonl files.
+fn seqs_in(files: &[PathBuf]) -> BTreeMap<u64, usize> {
+    let mut m = BTreeMap::new();
+    for f in files {
+        let Ok(text) = std::fs::read_to_string(f) else { continue };
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("every line is JSON");
+            assert_eq!(v["seq"], v["event"]["seq"], "envelope and event agree");
+            *m.entry(v["seq"].as_u64().expect("seq")).or_insert(0) += 1;
+        }
+    }
+    m
+}
+
+async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn sigterm_and_wait(mut c: Child) -> std::process::ExitStatus {
+    assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(s) = c.try_wait().expect("wait") {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "firekeeper did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_land_exactly_once_across_a_graceful_restart() {
+    let redis = RedisServer::start();
+    let relay = sim(Some(800)).await;
+    let dir = tmpdir("restart");
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("REDIS_URL".into(), redis.url());
+    // Start from the beginning of the capture.
+    let out = run_once(&env, &["cursor", "set", "0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a_out, b_out) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
+    let mut env_a = env.clone();
+    env_a.insert("FIREKEEPER_JSONL_PATH".into(), a_out.to_string_lossy().into_owned());
+    let a = firekeeper(&env_a, &[], &dir.join("a.log"));
+    wait_until("a to write 300 events", || seqs_in(&[a_out.clone()]).len() >= 300).await;
+    let mut env_b = env.clone();
+    env_b.insert("FIREKEEPER_JSONL_PATH".into(), b_out.to_string_lossy().into_owned());
+    let b = firekeeper(&env_b, &[], &dir.join("b.log"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = sigterm_and_wait(a);
+    assert!(
+        status.success(),
+        "graceful stop exits 0: {status:?}\n{}",
+        std::fs::read_to_string(dir.join("a.log")).unwrap_or_default()
+    );
+    let files = [a_out.clone(), b_out.clone()];
+    wait_until("every seq", || seqs_in(&files).keys().next_back() == Some(&TOTAL)).await;
+    let status = sigterm_and_wait(b);
+    assert!(status.success());
+    let seen = seqs_in(&files);
+    assert_eq!(seen.len() as u64, TOTAL, "no seq missing");
+    let dups: Vec<_> = seen.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(dups.is_empty(), "graceful handover must not duplicate: {dups:?}");
+    let a_max = seqs_in(&[a_out]).keys().next_back().copied().expect("a wrote");
+    let b_min = seqs_in(&[b_out]).keys().next().copied().expect("b wrote");
+    assert_eq!(b_min, a_max + 1, "b resumed right after a's final commit");
+    let out = run_once(&env, &["cursor", "show"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("cursor {TOTAL}")),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sink_writes_rows_and_cursor_in_one_transaction_and_is_idempotent() {
+    let pg = PgServer::start();
+    let relay = sim(None).await;
+    let dir = tmpdir("pg");
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("DATABASE_URL".into(), pg.url());
+    env.insert("FIREKEEPER_SINK".into(), "postgres".into());
+    env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
+    let out = run_once(&env, &["cursor", "set", "1000"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    let count = || async {
+        let n: i64 =
+            client.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.map(|r| r.get(0)).unwrap_or(0);
+        n
+    };
+    let child = firekeeper(&env, &[], &dir.join("pg.log"));
+    let deadline = Instant::now() + WAIT;
+    while count().await < 476 {
+        assert!(
+            Instant::now() < deadline,
+            "rows never arrived: {}",
+            std::fs::read_to_string(dir.join("pg.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(sigterm_and_wait(child).success());
+    let cursor: i64 = client.query_one("SELECT cursor FROM firekeeper_cursors", &[]).await.expect("cursor").get(0);
+    assert_eq!(cursor, 1476);
+    let (min, max): (i64, i64) = client
+        .query_one("SELECT min(seq), max(seq) FROM firekeeper_events", &[])
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .expect("range");
+    assert_eq!((min, max), (1001, 1476));
+    let body: serde_json::Value = client
+        .query_one("SELECT body::text FROM firekeeper_events WHERE seq = 1001", &[])
+        .await
+        .map(|r| serde_json::from_str(r.get::<_, &str>(0)).expect("json"))
+        .expect("row");
+    assert_eq!(body["seq"], 1001);
+    // Replay the same range: nothing inserted twice.
+    let out = run_once(&env, &["cursor", "set", "1000"]);
+    assert!(out.status.success());
+    let child = firekeeper(&env, &[], &dir.join("pg2.log"));
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let c: i64 = client.query_one("SELECT cursor FROM firekeeper_cursors", &[]).await.expect("cursor").get(0);
+        if c == 1476 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "replay never finished");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(sigterm_and_wait(child).success());
+    assert_eq!(count().await, 476, "idempotent on replay");
+}
+
+/// A webhook receiver that answers 500 to every third request; returns accepted bodies.
+async fn flaky_webhook() -> (String, Arc<Mutex<Vec<String>>>, Arc<Mutex<u32>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let accepted = Arc::new(Mutex::new(Vec::new()));
+    let failures = Arc::new(Mutex::new(0u32));
+    let (acc, fails) = (accepted.clone(), failures.clone());
+    tokio::spawn(async move {
+        let mut n = 0u32;
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else { return };
+            n += 1;
+            let fail = n % 3 == 0;
+            let (acc, fails) = (acc.clone(), fails.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 65536];
+                // Read headers, then content-length bytes of body.
+                let (head_end, len) = loop {
+                    let Ok(k) = s.read(&mut chunk).await else { return };
+                    if k == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..k]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_lowercase();
+                        let len = head
+                            .lines()
+                            .find_map(|l| {
+                                l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        break (i + 4, len);
+                    }
+                };
+                while buf.len() < head_end + len {
+                    let Ok(k) = s.read(&mut chunk).await else { return };
+                    if k == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..k]);
+                }
+                let status = if fail {
+                    *fails.lock().expect("lock") += 1;
+                    "500 Internal Server Error"
+                } else {
+                    acc.lock()
+                        .expect("lock")
+                        .push(String::from_utf8_lossy(&buf[head_end..head_end + len]).into_owned());
+                    "200 OK"
+                };
+                let _ = s
+                    .write_all(
+                        format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    (url, accepted, failures)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_sink_retries_failures_and_commits_only_after_2xx() {
+    let (url, accepted, failures) = flaky_webhook().await;
+    let relay = sim(None).await;
+    let dir = tmpdir("hook");
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), url);
+    env.insert("FIREKEEPER_WEBHOOK_BATCH".into(), "50".into());
+    let out = run_once(&env, &["cursor", "set", "0"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let child = firekeeper(&env, &[], &dir.join("hook.log"));
+    let got = || -> BTreeMap<u64, usize> {
+        let mut m = BTreeMap::new();
+        for body in accepted.lock().expect("lock").iter() {
+            for line in body.lines() {
+                let v: serde_json::Value = serde_json::from_str(line).expect("ndjson");
+                *m.entry(v["seq"].as_u64().expect("seq")).or_insert(0) += 1;
+            }
+        }
+        m
+    };
+    wait_until("all events accepted by the webhook", || got().len() as u64 == TOTAL).await;
+    assert!(sigterm_and_wait(child).success());
+    assert!(*failures.lock().expect("lock") > 0, "the receiver did fail some requests");
+    let out = run_once(&env, &["cursor", "show"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("cursor {TOTAL}")));
+}
+
+#[test]
+fn config_errors_name_every_bad_variable_and_exit_2() {
+    let env: HashMap<String, String> = [
+        ("FIREKEEPER_RELAY", "ftp://u:secret@host"),
+        ("FIREKEEPER_LEASE_TTL_MS", "-4"),
+        ("FIREKEEPER_SINK", "webhook"),
+        ("FIREKEEPER_TYPO", "1"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let out = run_once(&env, &["check-config"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for name in ["FIREKEEPER_RELAY", "FIREKEEPER_LEASE_TTL_MS", "FIREKEEPER_WEBHOOK_URL", "FIREKEEPER_TYPO"] {
+        assert!(err.contains(name), "{name} not named in:\n{err}");
+    }
+    assert!(!err.contains("secret"), "credentials leaked:\n{err}");
+    let ok = run_once(&HashMap::new(), &["check-config"]);
+    assert!(ok.status.success());
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("configuration ok"));
+}
+
+async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await.ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, buf.split_once("\r\n\r\n")?.1.to_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_status_are_scraped_while_leading() {
+    let relay = sim(None).await;
+    let dir = tmpdir("metrics");
+    let mut env = base_env(&relay.url(), &dir);
+    let addr = format!("127.0.0.1:{}", free_port());
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+    env.insert("FIREKEEPER_SINK".into(), "null".into());
+    let out = run_once(&env, &["cursor", "set", "0"]);
+    assert!(out.status.success());
+    let child = firekeeper(&env, &[], &dir.join("m.log"));
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some((200, body)) = http_get(&addr, "/status").await {
+            let v: serde_json::Value = serde_json::from_str(&body).expect("status json");
+            if v["committed"] == TOTAL {
+                break v;
+            }
+        }
+        assert!(Instant::now() < deadline, "status never showed the full cursor");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status["role"], "leader");
+    assert_eq!(status["relay"], "primary");
+    assert!(status["token"].as_u64().is_some());
+    let (code, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert_eq!(code, 200);
+    for m in [
+        "firekeeper_events_total{type=\"#commit\"} 1374",
+        "firekeeper_leader 1",
+        "firekeeper_commits_total{outcome=\"saved\"}",
+        "firekeeper_lag_seq",
+    ] {
+        assert!(metrics.contains(m), "{m} missing from /metrics:\n{metrics}");
+    }
+    assert_eq!(http_get(&addr, "/healthz").await.map(|r| r.0), Some(200));
+    assert_eq!(http_get(&addr, "/readyz").await.map(|r| r.0), Some(200));
+    assert!(sigterm_and_wait(child).success());
+}
