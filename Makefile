@@ -1,15 +1,19 @@
 # firekeeper: build, test, bench.
-#   make test    everything CI runs (installs redis-server if the machine lacks it)
+#   make run     relay-sim replays the fixture; firekeeper consumes it on embedded defaults
+#   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
 #   make bench   criterion benches on the real PDS capture
 #   make lint    clippy, pedantic, as warnings
 
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: build test bench lint deps fmt
+.PHONY: build run test bench lint deps fmt
 
 build:
 	$(CARGO) build --workspace --all-targets
+
+run:
+	scripts/run-demo.sh
 
 deps:
 	scripts/ensure-deps.sh

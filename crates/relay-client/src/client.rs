@@ -402,9 +402,13 @@ impl Subscription {
         let relay = self.active;
         let url = self.url(relay).unwrap_or(&self.primary).subscribe_url(self.cursor);
         let cfg = ws_config(self.cfg.max_frame_bytes);
-        let attempt = timeout(
-            self.cfg.connect_timeout,
-            tokio_tungstenite::connect_async_with_config(url.as_str(), Some(cfg), true),
+        let span = tracing::info_span!("relay_connect", relay = relay.as_str(), cursor = ?self.cursor);
+        let attempt = tracing::Instrument::instrument(
+            timeout(
+                self.cfg.connect_timeout,
+                tokio_tungstenite::connect_async_with_config(url.as_str(), Some(cfg), true),
+            ),
+            span,
         )
         .await;
         match attempt {

@@ -1,0 +1,12 @@
+# Build: docker build -t firekeeper .
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release -p firekeeper -p relay-sim
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates && rm -rf /var/lib/apt/lists/*
+COPY --from=build /src/target/release/firekeeper /src/target/release/relay-sim /usr/local/bin/
+USER 65534
+ENTRYPOINT ["firekeeper"]
+CMD ["run"]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# `make run`: relay-sim replays the real PDS capture at 200 frames/s on 127.0.0.1:2470,
+# and firekeeper consumes it on embedded defaults (local lease file, file cursor, JSON
+# lines on stdout, logs on stderr, HTTP on 127.0.0.1:9090). Ctrl-C stops both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -p relay-sim -p firekeeper
+capture=${CAPTURE:-../shared/fixtures/pds-capture.frames}
+./target/release/relay-sim --capture "$capture" --listen 127.0.0.1:2470 --initial 0 --rate "${RATE:-200}" &
+sim=$!
+trap 'kill $sim 2>/dev/null || true' EXIT
+sleep 0.3
+FIREKEEPER_RELAY=${FIREKEEPER_RELAY:-ws://127.0.0.1:2470} \
+FIREKEEPER_LOG_FORMAT=${FIREKEEPER_LOG_FORMAT:-text} \
+  ./target/release/firekeeper run
