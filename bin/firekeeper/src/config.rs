@@ -112,6 +112,8 @@ const KNOWN: &[&str] = &[
     "connect_timeout_ms",
     "stall_timeout_ms",
     "future_cursor",
+    "failover_after",
+    "probe_interval_ms",
     "verify_blocks",
     "instance_id",
     "log_format",
@@ -338,6 +340,8 @@ impl Config {
             stall_timeout: v.ms("stall_timeout_ms", Duration::from_secs(60)),
             ..ClientConfig::default()
         };
+        client.failover_after = u32::try_from(v.count("failover_after", 3, 1000)).unwrap_or(3);
+        client.probe_interval = v.ms("probe_interval_ms", Duration::from_secs(30));
         client.future_cursor = match v.get("future_cursor").unwrap_or("fail") {
             "fail" => FutureCursorPolicy::Fail,
             "live" => FutureCursorPolicy::GoLive,

@@ -260,7 +260,8 @@ async fn lead_loop(
     shutdown: &CancellationToken,
     shared: &Shared,
 ) -> Result<()> {
-    let cx = Ctx { cfg, store, sink, lease: handle, shutdown, shared };
+    let remembered = std::sync::Mutex::new(std::collections::HashMap::new());
+    let cx = Ctx { cfg, store, sink, lease: handle, shutdown, shared, remembered: &remembered };
     loop {
         let ev = tokio::select! {
             ev = events.recv() => ev,
@@ -281,7 +282,12 @@ async fn lead_loop(
                     s.connected = false;
                 });
                 match end {
-                    TermEnd::Lost => tracing::warn!(token, "term over; standing by"),
+                    TermEnd::Lost => {
+                        // If the work side ended the term (a store refused the token), the
+                        // supervisor must stop renewing it too.
+                        handle.resign().await;
+                        tracing::warn!(token, "term over; standing by");
+                    }
                     TermEnd::Shutdown(Ok(())) => {
                         tracing::info!(token, "drained, committed and released");
                         return Ok(());

@@ -88,6 +88,9 @@ pub struct Ctx<'a> {
     pub shutdown: &'a CancellationToken,
     /// Status.
     pub shared: &'a Shared,
+    /// The last cursor this process committed per relay fingerprint, across terms: if the
+    /// store comes back with less (it lost data), resuming from here loses nothing.
+    pub remembered: &'a std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 /// Seconds since the epoch of an RFC 3339 UTC timestamp (`2026-12-02T10:17:24.747Z`).
@@ -241,12 +244,23 @@ async fn while_active<T>(
 
 async fn read_cursor(cx: &Ctx<'_>, term: &Term, role: RelayRole, fp: &str) -> Option<Result<Option<u64>, StoreError>> {
     let r = while_active(term, "read cursor", || cx.store.read(fp)).await?;
-    Some(r.map(|o| match o {
-        ReadOutcome::Found(c) => {
+    let remembered = cx.remembered.lock().ok().and_then(|m| m.get(fp).copied());
+    Some(r.map(|o| match (o, remembered) {
+        (ReadOutcome::Found(c), _) => {
             tracing::info!(relay = role.as_str(), cursor = c, "resuming from stored cursor");
             Some(c)
         }
-        ReadOutcome::Missing | ReadOutcome::Corrupt(_) => {
+        // A lower stored value may be an operator's rewind and is honoured; a missing one
+        // after this process committed means the store lost data.
+        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), Some(mine)) => {
+            tracing::error!(
+                relay = role.as_str(),
+                committed_here = mine,
+                "the store lost this relay's cursor; resuming from what this process committed"
+            );
+            Some(mine)
+        }
+        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) => {
             tracing::warn!(relay = role.as_str(), "no stored cursor for this relay: starting from the live tail");
             None
         }
@@ -277,7 +291,16 @@ async fn commit(cx: &Ctx<'_>, p: &mut Pipeline, final_: bool) -> Result<(), ()> 
     match out {
         Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
             p.committed = Some(c);
+            if let Ok(mut m) = cx.remembered.lock() {
+                m.insert(p.ctx.fingerprint.clone(), c);
+            }
             cx.shared.update(|s| s.committed = Some(c));
+            Ok(())
+        }
+        Ok(CommitOutcome::Fenced { current: None }) => {
+            // No lease key at all (e.g. Redis lost its data): not proof of a newer term.
+            // The lease either retakes the key or loses at its deadline; retry until then.
+            tracing::warn!(token = p.ctx.token, cursor = c, "commit refused: no lease key in the store; retrying");
             Ok(())
         }
         Ok(CommitOutcome::Fenced { current }) => {

@@ -116,6 +116,9 @@ pub enum LossReason {
     TakenBy(String),
     /// The key vanished and the fence counter moved past our token.
     Fenced(Option<u64>),
+    /// The caller gave the term up ([`LeaseHandle::resign`]), e.g. because a fenced
+    /// store refused its token. The key is left to expire.
+    Resigned,
 }
 
 impl LossReason {
@@ -126,6 +129,7 @@ impl LossReason {
             Self::Expired => "expired",
             Self::TakenBy(_) => "taken",
             Self::Fenced(_) => "fenced",
+            Self::Resigned => "resigned",
         }
     }
 }
@@ -193,6 +197,7 @@ enum Command {
     Release(oneshot::Sender<Result<(), StepDownError>>),
     Abandon(oneshot::Sender<()>),
     Shutdown(oneshot::Sender<()>),
+    Resign(oneshot::Sender<()>),
 }
 
 /// Control of a running supervisor.
@@ -211,6 +216,7 @@ impl std::fmt::Debug for Command {
             Self::Release(_) => "Release",
             Self::Abandon(_) => "Abandon",
             Self::Shutdown(_) => "Shutdown",
+            Self::Resign(_) => "Resign",
         })
     }
 }
@@ -282,6 +288,14 @@ impl LeaseHandle {
     /// took); a leader releases without draining.
     pub async fn shutdown(&self) {
         let _ = self.ask(Command::Shutdown).await;
+    }
+
+    /// Ends the current term without releasing (the key expires on its own) and goes back
+    /// to standby. For a leader whose work found it can no longer act (a store refused its
+    /// token); without this the lease would be renewed for a term nobody works in.
+    /// No effect when not leading.
+    pub async fn resign(&self) {
+        let _ = self.ask(Command::Resign).await;
     }
 
     /// Waits for the supervisor task to exit.
@@ -401,7 +415,7 @@ impl<B: Backend> Supervisor<B> {
                 Command::Release(r) => {
                     let _ = r.send(Err(StepDownError::Lost));
                 }
-                Command::StepDown(r) | Command::Abandon(r) | Command::Shutdown(r) => {
+                Command::StepDown(r) | Command::Abandon(r) | Command::Shutdown(r) | Command::Resign(r) => {
                     let _ = r.send(());
                 }
             }
@@ -422,6 +436,7 @@ impl<B: Backend> Supervisor<B> {
                         self.stopping = true;
                         let _ = r.send(());
                     }
+                    Some(Command::Resign(r)) => { let _ = r.send(()); }
                     None => self.stopping = true,
                 },
             }
@@ -503,6 +518,9 @@ impl<B: Backend> Supervisor<B> {
 
     fn standby_command(&mut self, c: Command) {
         match c {
+            Command::Resign(r) => {
+                let _ = r.send(());
+            }
             Command::Release(r) => {
                 self.stopping = true;
                 let _ = r.send(Ok(()));
@@ -571,6 +589,11 @@ impl<B: Backend> Supervisor<B> {
                             term.end();
                             let _ = r.send(());
                             return LeadEnd::Abandoned;
+                        }
+                        Command::Resign(r) => {
+                            term.end();
+                            let _ = r.send(());
+                            return LeadEnd::Lost(LossReason::Resigned);
                         }
                         Command::Shutdown(r) => {
                             self.stopping = true;

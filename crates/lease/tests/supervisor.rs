@@ -390,3 +390,20 @@ fn invalid_config_is_refused() {
         assert!(r.is_err());
     });
 }
+
+#[tokio::test(start_paused = true)]
+async fn resign_ends_the_term_without_release_and_contends_again_after_expiry() {
+    let m = Mock::new();
+    let (h, mut ev, _) = start(&m, "a");
+    let t = elected(&mut ev).await;
+    h.resign().await;
+    match ev.recv().await {
+        Some(LeaseEvent::Lost { token: 1, reason: LossReason::Resigned }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(!t.is_active());
+    assert_eq!(m.holder().as_deref(), Some("a:1"), "not released: left to expire");
+    drop(t);
+    let t2 = elected(&mut ev).await;
+    assert_eq!(t2.token(), 2, "a fresh term once the old key expired");
+}
