@@ -236,12 +236,33 @@ async fn run(cfg: Config) -> Result<()> {
     });
     shared.ready.store(true, Ordering::Relaxed);
     tracing::info!(instance = %instance, "contending for the lease");
-    let r = lead_loop(&cfg, &store, sink, &handle, events, &shutdown, &shared).await;
+    // Shadow every replica's committed cursors, so that if the store loses its data this
+    // process, once leading, resumes where the last leader committed.
+    let remembered: Arc<Remembered> = Arc::default();
+    let follower = match (&store, &cfg.redis_url) {
+        (Store::Redis(s), Some(url)) => {
+            let (m, channel) = (remembered.clone(), s.keys().commits_channel.clone());
+            Some(tokio::spawn(checkpoint::redis_store::follow_commits(url.clone(), channel, move |fp, c| {
+                if let Ok(mut m) = m.lock() {
+                    let e = m.entry(fp.to_owned()).or_insert(c);
+                    *e = (*e).max(c);
+                }
+            })))
+        }
+        _ => None,
+    };
+    let r = lead_loop(&cfg, &store, sink, &handle, events, &shutdown, &shared, &remembered).await;
+    if let Some(f) = follower {
+        f.abort();
+    }
     shared.update(|s| s.role = "stopped");
     stop_http.cancel();
     handle.join().await;
     r
 }
+
+/// Committed cursors per relay fingerprint, as seen by this process.
+type Remembered = std::sync::Mutex<std::collections::HashMap<String, u64>>;
 
 fn uuid_like() -> String {
     use std::hash::{BuildHasher, Hasher};
@@ -259,9 +280,9 @@ async fn lead_loop(
     mut events: tokio::sync::mpsc::UnboundedReceiver<LeaseEvent>,
     shutdown: &CancellationToken,
     shared: &Shared,
+    remembered: &Remembered,
 ) -> Result<()> {
-    let remembered = std::sync::Mutex::new(std::collections::HashMap::new());
-    let cx = Ctx { cfg, store, sink, lease: handle, shutdown, shared, remembered: &remembered };
+    let cx = Ctx { cfg, store, sink, lease: handle, shutdown, shared, remembered };
     loop {
         let ev = tokio::select! {
             ev = events.recv() => ev,

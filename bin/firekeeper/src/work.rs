@@ -88,8 +88,9 @@ pub struct Ctx<'a> {
     pub shutdown: &'a CancellationToken,
     /// Status.
     pub shared: &'a Shared,
-    /// The last cursor this process committed per relay fingerprint, across terms: if the
-    /// store comes back with less (it lost data), resuming from here loses nothing.
+    /// The last cursor committed per relay fingerprint, by this process or (through the
+    /// commits channel) by any replica: if the store lost a cursor, resuming from here
+    /// loses nothing.
     pub remembered: &'a std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
@@ -256,7 +257,7 @@ async fn read_cursor(cx: &Ctx<'_>, term: &Term, role: RelayRole, fp: &str) -> Op
             tracing::error!(
                 relay = role.as_str(),
                 committed_here = mine,
-                "the store lost this relay's cursor; resuming from what this process committed"
+                "the store lost this relay's cursor; resuming from the last commit this process saw"
             );
             Some(mine)
         }
@@ -292,7 +293,8 @@ async fn commit(cx: &Ctx<'_>, p: &mut Pipeline, final_: bool) -> Result<(), ()> 
         Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
             p.committed = Some(c);
             if let Ok(mut m) = cx.remembered.lock() {
-                m.insert(p.ctx.fingerprint.clone(), c);
+                let e = m.entry(p.ctx.fingerprint.clone()).or_insert(c);
+                *e = (*e).max(c);
             }
             cx.shared.update(|s| s.committed = Some(c));
             Ok(())

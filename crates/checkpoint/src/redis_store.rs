@@ -22,6 +22,10 @@ pub struct RedisKeys {
     pub cursor_prefix: String,
     /// Legacy cursors were `<legacy_prefix>:<host>`; `None` disables migration.
     pub legacy_prefix: Option<String>,
+    /// Every saved commit is published here as `<fingerprint> <cursor> <token>`, so
+    /// standbys shadow the committed cursor and a store that loses its data (restart
+    /// without persistence, FLUSHALL) costs no events.
+    pub commits_channel: String,
 }
 
 impl RedisKeys {
@@ -33,6 +37,7 @@ impl RedisKeys {
             fence_seen: format!("{{{prefix}}}:fence-seen"),
             cursor_prefix: format!("{{{prefix}}}:cursor:"),
             legacy_prefix: legacy_prefix.map(str::to_owned),
+            commits_channel: format!("{{{prefix}}}:commits"),
         }
     }
 
@@ -57,7 +62,7 @@ local function gt(a, b)
 end
 ";
 
-// KEYS: lease, cursor, fence-seen. ARGV: token, cursor.
+// KEYS: lease, cursor, fence-seen. ARGV: token, cursor, commits channel, fingerprint.
 const COMMIT: &str = r"
 local h = redis.call('GET', KEYS[1])
 local t = h and string.match(h, ':([0-9]+)$')
@@ -67,6 +72,7 @@ if valid(cur) and not gt(ARGV[2], cur) then return {2, cur} end
 redis.call('SET', KEYS[2], ARGV[2])
 local seen = redis.call('GET', KEYS[3])
 if not valid(seen) or gt(ARGV[1], seen) then redis.call('SET', KEYS[3], ARGV[1]) end
+redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' ' .. ARGV[2] .. ' ' .. ARGV[1])
 return {1, ''}
 ";
 
@@ -141,7 +147,16 @@ impl RedisStore {
         let v: Value = self
             .conn
             .run(|mut c| async move {
-                self.commit.key(&k.lease).key(&key).key(&k.fence_seen).arg(token).arg(cursor).invoke_async(&mut c).await
+                self.commit
+                    .key(&k.lease)
+                    .key(&key)
+                    .key(&k.fence_seen)
+                    .arg(token)
+                    .arg(cursor)
+                    .arg(&k.commits_channel)
+                    .arg(fingerprint)
+                    .invoke_async(&mut c)
+                    .await
             })
             .await
             .map_err(err)?;
@@ -219,5 +234,27 @@ impl RedisStore {
             .map_err(err)?;
         tracing::info!(relay = fingerprint, cursor = old_v, "migrated legacy host-keyed cursor");
         Ok(Some(old_v))
+    }
+}
+
+/// Follows the commits channel and calls `seen(fingerprint, cursor)` for every saved
+/// commit of any replica, reconnecting after errors, until the task is dropped.
+pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(&str, u64) + Send) {
+    use futures_util::StreamExt;
+    let Ok(client) = redis::Client::open(url) else { return };
+    loop {
+        if let Ok(Ok(mut ps)) = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub()).await {
+            if ps.subscribe(&channel).await.is_ok() {
+                let mut msgs = ps.on_message();
+                while let Some(m) = msgs.next().await {
+                    let Ok(text) = m.get_payload::<String>() else { continue };
+                    let mut it = text.split(' ');
+                    if let (Some(fp), Some(c)) = (it.next(), it.next().and_then(|c| cursor::parse(c.as_bytes()))) {
+                        seen(fp, c);
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

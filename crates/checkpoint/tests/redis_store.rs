@@ -210,3 +210,33 @@ async fn a_server_answering_nonsense_is_a_protocol_error() {
         other => panic!("nonsense must not read as a cursor: {other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saved_commits_are_published_for_standbys_to_shadow() {
+    let redis = RedisServer::start();
+    set(&redis, "{pub}:lease", b"a:3");
+    let s = store(&redis.url(), "pub");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let follower = tokio::spawn(checkpoint::redis_store::follow_commits(
+        redis.url(),
+        s.keys().commits_channel.clone(),
+        move |fp, c| {
+            s2.lock().expect("seen").push((fp.to_owned(), c));
+        },
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await; // subscribed
+    assert_eq!(s.commit(FP, 10, 3).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 5, 3).await, Ok(CommitOutcome::NotNewer { stored: 10 }));
+    assert_eq!(s.commit(FP, 20, 2).await, Ok(CommitOutcome::Fenced { current: Some(3) }));
+    timeout(Duration::from_secs(10), async {
+        while seen.lock().expect("seen").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("published");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(*seen.lock().expect("seen"), vec![(FP.to_owned(), 10)], "only saved commits are published");
+    follower.abort();
+}
