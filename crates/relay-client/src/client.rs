@@ -467,6 +467,17 @@ impl Subscription {
         let Some(conn) = self.conn.as_mut() else {
             return Ok(None);
         };
+        // Fast path: a message the socket already holds needs no timers (arming four
+        // sleeps per frame costs more than decoding it). Only taken while no ping and no
+        // probe is due; data frames themselves prove liveness.
+        if self.probe.is_none() {
+            let now = Instant::now();
+            if now < conn.next_ping && self.next_probe.is_none_or(|p| now < p) {
+                if let Some(msg) = futures_util::FutureExt::now_or_never(conn.ws.next()) {
+                    return self.on_message(msg);
+                }
+            }
+        }
         let stall_at = conn.last_data.max(wait_started) + cfg.stall_timeout;
         let pong_at = conn.pong_due;
         let next_ping = conn.next_ping;
