@@ -1,13 +1,14 @@
 # firekeeper: build, test, bench.
 #   make run     relay-sim replays the fixture; firekeeper consumes it on embedded defaults
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
-#   make bench   criterion benches on the real PDS capture
+#   make bench   decode benchmark (criterion) and figures through the real binary
+#   make chaos   the fault suite at scale 4 (make test runs it at scale 1)
 #   make lint    clippy, pedantic, as warnings
 
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: build run test bench lint deps fmt
+.PHONY: build run test bench chaos lint deps fmt
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -26,8 +27,12 @@ test: deps
 	fi
 	$(CARGO) test --workspace --doc
 
-bench:
+bench: deps
 	$(CARGO) bench -p relay-client --bench decode
+	$(CARGO) bench -p firekeeper --bench cluster
+
+chaos: deps
+	FIREKEEPER_CHAOS_SCALE=4 $(CARGO) nextest run -p firekeeper --test chaos --no-fail-fast
 
 lint:
 	$(CARGO) clippy --workspace --all-targets
