@@ -25,7 +25,6 @@ test: deps
 	else \
 		$(CARGO) test --workspace --no-fail-fast; \
 	fi
-	$(CARGO) test --workspace --doc
 
 bench: deps
 	$(CARGO) bench -p relay-client --bench decode
