@@ -21,10 +21,10 @@ fn stats(xs: &mut [f64]) -> (f64, f64) {
 async fn wait_committed(c: &Cluster, i: usize, total: u64) {
     let deadline = Instant::now() + support::WAIT;
     loop {
-        if let Some(s) = c.replicas[i].status().await {
-            if s["committed"].as_u64() == Some(total) {
-                return;
-            }
+        if let Some(s) = c.replicas[i].status().await
+            && s["committed"].as_u64() == Some(total)
+        {
+            return;
         }
         assert!(Instant::now() < deadline, "never committed {total}; logs in {}", c.dir.display());
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -125,7 +125,7 @@ async fn failover(runs: usize) -> (Vec<f64>, Vec<f64>) {
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter(|v| v["fields"]["message"] == "elected leader")
             .filter_map(|v| v["timestamp"].as_str().map(str::to_owned))
-            .last()
+            .next_back()
             .and_then(|t| log_time_str(&t))
             .expect("election logged");
         gaps.push((elected - released) * 1000.0);

@@ -233,15 +233,15 @@ impl Config {
         let relay_raw = v.get("relay").unwrap_or("wss://bsky.network").to_owned();
         let relay = v.relay("relay", &relay_raw);
         let relay_secondary = v.get("relay_secondary").map(str::to_owned).and_then(|s| v.relay("relay_secondary", &s));
-        if let (Some(p), Some(s)) = (&relay, &relay_secondary) {
-            if p.fingerprint() == s.fingerprint() {
-                v.errors.push("FIREKEEPER_RELAY_SECONDARY is the same relay as FIREKEEPER_RELAY".into());
-            }
+        if let (Some(p), Some(s)) = (&relay, &relay_secondary)
+            && p.fingerprint() == s.fingerprint()
+        {
+            v.errors.push("FIREKEEPER_RELAY_SECONDARY is the same relay as FIREKEEPER_RELAY".into());
         }
-        if let Some(u) = &redis_url {
-            if redis::Client::open(u.as_str()).is_err() {
-                v.errors.push("REDIS_URL is not a valid redis:// or rediss:// URL".into());
-            }
+        if let Some(u) = &redis_url
+            && redis::Client::open(u.as_str()).is_err()
+        {
+            v.errors.push("REDIS_URL is not a valid redis:// or rediss:// URL".into());
         }
 
         let store = match v.get("cursor_store") {
@@ -327,17 +327,18 @@ impl Config {
         }
         let http_addr = match v.get("http_addr").unwrap_or("127.0.0.1:9090") {
             "off" => None,
-            a => match a.parse() {
-                Ok(a) => Some(a),
-                Err(_) => {
+            a => {
+                if let Ok(a) = a.parse() {
+                    Some(a)
+                } else {
                     v.errors.push(format!("FIREKEEPER_HTTP_ADDR={a:?} is not host:port (or off)"));
                     None
                 }
-            },
+            }
         };
         let mut client = ClientConfig {
             connect_timeout: v.ms("connect_timeout_ms", Duration::from_secs(10)),
-            stall_timeout: v.ms("stall_timeout_ms", Duration::from_secs(60)),
+            stall_timeout: v.ms("stall_timeout_ms", Duration::from_mins(1)),
             ..ClientConfig::default()
         };
         client.failover_after = u32::try_from(v.count("failover_after", 3, 1000)).unwrap_or(3);
@@ -379,10 +380,10 @@ impl Config {
         let data_dir = PathBuf::from(v.get("data_dir").unwrap_or("firekeeper-data"));
         let legacy_cursor_prefix = v.get("legacy_cursor_prefix").map(str::to_owned);
         let instance_id = v.get("instance_id").map(str::to_owned);
-        if let Some(id) = &instance_id {
-            if id.contains(':') || id.len() > 128 {
-                v.errors.push("FIREKEEPER_INSTANCE_ID must not contain ':' and be at most 128 bytes".into());
-            }
+        if let Some(id) = &instance_id
+            && (id.contains(':') || id.len() > 128)
+        {
+            v.errors.push("FIREKEEPER_INSTANCE_ID must not contain ':' and be at most 128 bytes".into());
         }
         if !v.errors.is_empty() {
             return Err(ConfigErrors(v.errors));

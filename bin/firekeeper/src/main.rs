@@ -157,15 +157,16 @@ async fn capture(cfg: &Config, file: &str, args: &[String]) -> Result<()> {
             break;
         }
         let next = async { sub.next().await };
-        let item = match deadline {
-            Some(d) => match tokio::time::timeout_at(d, next).await {
+        let item = if let Some(d) = deadline {
+            match tokio::time::timeout_at(d, next).await {
                 Ok(i) => i,
                 Err(_) => break,
-            },
-            None => tokio::select! {
+            }
+        } else {
+            tokio::select! {
                 i = next => i,
                 _ = tokio::signal::ctrl_c() => break,
-            },
+            }
         };
         if let Item::Frame(f) = item? {
             relay_sim::capture::write_frame(&mut out, &f.bytes)?;
@@ -321,7 +322,7 @@ async fn lead_loop(
                 }
             }
             Some(LeaseEvent::Lost { token, reason }) => {
-                tracing::warn!(token, reason = reason.label(), "leadership lost")
+                tracing::warn!(token, reason = reason.label(), "leadership lost");
             }
             Some(LeaseEvent::Released { token }) => tracing::info!(token, "lease released"),
             None => return Ok(()),

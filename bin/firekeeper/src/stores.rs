@@ -20,15 +20,14 @@ pub enum LeaseBackend {
 impl LeaseBackend {
     /// Builds the backend for `cfg`.
     pub fn new(cfg: &Config) -> Result<Self> {
-        match &cfg.redis_url {
-            Some(url) => Ok(Self::Redis(Arc::new(
+        if let Some(url) = &cfg.redis_url {
+            Ok(Self::Redis(Arc::new(
                 RedisBackend::new(url, &cfg.lease.key_prefix, cfg.lease.op_timeout).context("REDIS_URL")?,
-            ))),
-            None => {
-                std::fs::create_dir_all(&cfg.data_dir)
-                    .with_context(|| format!("creating data directory {}", cfg.data_dir.display()))?;
-                Ok(Self::Local(Arc::new(LocalBackend::new(&lease_file(cfg)))))
-            }
+            )))
+        } else {
+            std::fs::create_dir_all(&cfg.data_dir)
+                .with_context(|| format!("creating data directory {}", cfg.data_dir.display()))?;
+            Ok(Self::Local(Arc::new(LocalBackend::new(&lease_file(cfg)))))
         }
     }
 }

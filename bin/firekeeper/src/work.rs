@@ -70,7 +70,7 @@ pub enum TermEnd {
     Lost,
     /// Shutdown requested; the step-down result.
     Shutdown(Result<(), StepDownError>),
-    /// A condition an operator must fix (FutureCursor, ambiguous legacy cursor).
+    /// A condition an operator must fix (`FutureCursor`, ambiguous legacy cursor).
     Fatal(anyhow::Error),
 }
 

@@ -1,5 +1,5 @@
 //! End to end: the real binary, relay-sim replaying the real capture, real redis-server
-//! and PostgreSQL, and a webhook receiver that fails sometimes.
+//! and `PostgreSQL`, and a webhook receiver that fails sometimes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use relay_sim::{RelaySim, SimConfig, capture};
 use testkit::{PgServer, RedisServer, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const WAIT: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_mins(1);
 const TOTAL: u64 = 1476;
 
 fn fixture() -> Vec<bytes::Bytes> {
@@ -163,8 +163,7 @@ async fn postgres_sink_writes_rows_and_cursor_in_one_transaction_and_is_idempote
     let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
     tokio::spawn(conn);
     let count = || async {
-        let n: i64 =
-            client.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.map(|r| r.get(0)).unwrap_or(0);
+        let n: i64 = client.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.map_or(0, |r| r.get(0));
         n
     };
     let child = firekeeper(&env, &[], &dir.join("pg.log"));
@@ -221,7 +220,7 @@ async fn flaky_webhook() -> (String, Arc<Mutex<Vec<String>>>, Arc<Mutex<u32>>) {
         loop {
             let Ok((mut s, _)) = listener.accept().await else { return };
             n += 1;
-            let fail = n % 3 == 0;
+            let fail = n.is_multiple_of(3);
             let (acc, fails) = (acc.clone(), fails.clone());
             tokio::spawn(async move {
                 let mut buf = Vec::new();

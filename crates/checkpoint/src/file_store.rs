@@ -79,10 +79,10 @@ impl FileStore {
         if holder != Some(token) {
             return Ok(CommitOutcome::Fenced { current: holder });
         }
-        if let ReadOutcome::Found(stored) = self.read_sync(fingerprint)? {
-            if stored >= cursor {
-                return Ok(CommitOutcome::NotNewer { stored });
-            }
+        if let ReadOutcome::Found(stored) = self.read_sync(fingerprint)?
+            && stored >= cursor
+        {
+            return Ok(CommitOutcome::NotNewer { stored });
         }
         self.replace(fingerprint, cursor)?;
         Ok(CommitOutcome::Saved)

@@ -10,7 +10,7 @@
 //! - [`watermark`]: the highest seq at or below which every delivered event is done.
 //!
 //! Keys are scoped to a relay *fingerprint*, never a URL: every relay numbers its own
-//! sequence, and URLs may carry credentials. Nothing here knows about WebSockets.
+//! sequence, and URLs may carry credentials. Nothing here knows about `WebSockets`.
 
 pub mod cursor;
 pub mod file_store;

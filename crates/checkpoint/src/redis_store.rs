@@ -243,15 +243,15 @@ pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(&
     use futures_util::StreamExt;
     let Ok(client) = redis::Client::open(url) else { return };
     loop {
-        if let Ok(Ok(mut ps)) = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub()).await {
-            if ps.subscribe(&channel).await.is_ok() {
-                let mut msgs = ps.on_message();
-                while let Some(m) = msgs.next().await {
-                    let Ok(text) = m.get_payload::<String>() else { continue };
-                    let mut it = text.split(' ');
-                    if let (Some(fp), Some(c)) = (it.next(), it.next().and_then(|c| cursor::parse(c.as_bytes()))) {
-                        seen(fp, c);
-                    }
+        if let Ok(Ok(mut ps)) = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub()).await
+            && ps.subscribe(&channel).await.is_ok()
+        {
+            let mut msgs = ps.on_message();
+            while let Some(m) = msgs.next().await {
+                let Ok(text) = m.get_payload::<String>() else { continue };
+                let mut it = text.split(' ');
+                if let (Some(fp), Some(c)) = (it.next(), it.next().and_then(|c| cursor::parse(c.as_bytes()))) {
+                    seen(fp, c);
                 }
             }
         }

@@ -134,7 +134,7 @@ mod tests {
             let mut done = std::collections::HashSet::new();
             let mut next = start.map_or(0, |s| s + 1);
             for _ in 0..200 {
-                if rng.next() % 2 == 0 {
+                if rng.next().is_multiple_of(2) {
                     next += rng.next() % 4; // gaps are normal
                     match w.deliver(next) {
                         Ok(()) => {

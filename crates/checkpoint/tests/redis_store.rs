@@ -94,7 +94,7 @@ async fn corrupt_and_oversized_values_read_as_corrupt_and_are_overwritten_by_a_c
         set(&redis, &key, bad);
         match s.read(FP).await {
             Ok(ReadOutcome::Corrupt(preview)) => {
-                assert!(preview.len() < 64, "preview is short: {preview}")
+                assert!(preview.len() < 64, "preview is short: {preview}");
             }
             other => panic!("{bad:.10?}: {other:?}"),
         }

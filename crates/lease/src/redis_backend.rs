@@ -283,12 +283,11 @@ async fn listen(client: redis::Client, channel: String, released: Arc<Notify>, o
     loop {
         if let Ok(Ok(mut ps)) =
             tokio::time::timeout(op_timeout.max(Duration::from_secs(1)), client.get_async_pubsub()).await
+            && ps.subscribe(&channel).await.is_ok()
         {
-            if ps.subscribe(&channel).await.is_ok() {
-                let mut msgs = ps.on_message();
-                while msgs.next().await.is_some() {
-                    released.notify_waiters();
-                }
+            let mut msgs = ps.on_message();
+            while msgs.next().await.is_some() {
+                released.notify_waiters();
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;

@@ -60,7 +60,7 @@ impl Mock {
     }
     fn force(&self, holder: Option<&str>, fence: Option<u64>) {
         let mut s = self.s.lock().unwrap();
-        s.holder = holder.map(|h| (h.to_owned(), Instant::now() + Duration::from_secs(3600)));
+        s.holder = holder.map(|h| (h.to_owned(), Instant::now() + Duration::from_hours(1)));
         if let Some(f) = fence {
             s.fence = f;
         }
@@ -162,7 +162,7 @@ async fn leader_renews_and_stays_leader() {
     let t = elected(&mut ev).await;
     assert_eq!(t.token(), 1);
     assert_eq!(h.status(), Status::Leader { token: 1 });
-    sleep(Duration::from_secs(60)).await;
+    sleep(Duration::from_mins(1)).await;
     assert!(t.is_active());
     assert!(ev.try_recv().is_err(), "no event while renewals succeed");
     let n = m.renews();
@@ -182,7 +182,7 @@ async fn failing_store_keeps_the_leader_exactly_until_send_time_plus_window() {
     let failed_at = clock.now();
     // Deadline = 2 s (send time of the last good renew) + 10 s - 2.5 s = 9.5 s.
     let deadline = Duration::from_millis(9500);
-    sleep(deadline - failed_at - Duration::from_millis(1)).await;
+    sleep(deadline.checked_sub(failed_at).unwrap() - Duration::from_millis(1)).await;
     assert!(t.is_active(), "still leading 1 ms before the deadline");
     assert!(ev.try_recv().is_err());
     sleep(Duration::from_millis(2)).await;
@@ -288,7 +288,7 @@ async fn step_down_keeps_renewing_through_a_long_drain_then_releases() {
         assert!(t2.is_active(), "still leading at the end of the drain");
         Ok::<(), String>(())
     };
-    h.step_down_with(drain, Duration::from_secs(60)).await.expect("clean step-down");
+    h.step_down_with(drain, Duration::from_mins(1)).await.expect("clean step-down");
     assert!(m.renews() >= before + 7, "renewed during the drain");
     assert_eq!(m.holder(), None, "released");
     assert!(!t.is_active());
@@ -358,7 +358,7 @@ async fn standby_takes_over_at_once_on_release() {
     let released_at = clock.now();
     a.shutdown().await;
     let tb = elected(&mut ev_b).await;
-    let gap = clock.now() - released_at;
+    let gap = clock.now().checked_sub(released_at).unwrap();
     assert!(gap < Duration::from_millis(50), "woken by the release signal, not the poll: {gap:?}");
     assert_eq!(tb.token(), 2);
 }

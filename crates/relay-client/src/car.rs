@@ -1,4 +1,4 @@
-//! A synchronous CARv1 slice reader: the `blocks` of a commit are already in memory, so
+//! A synchronous `CARv1` slice reader: the `blocks` of a commit are already in memory, so
 //! blocks are returned as borrowed `(cid, data)` pairs with every length bounds-checked.
 
 use crate::cbor::Reader;
@@ -9,7 +9,7 @@ fn car_err(what: impl Into<String>) -> DecodeError {
     DecodeError::Car(what.into())
 }
 
-/// A parsed CARv1: the header's roots and an index of its blocks.
+/// A parsed `CARv1`: the header's roots and an index of its blocks.
 #[derive(Debug)]
 pub struct Car<'a> {
     /// The roots named by the header.
@@ -21,7 +21,7 @@ pub struct Car<'a> {
 }
 
 impl<'a> Car<'a> {
-    /// Parses a CARv1 byte slice: header then every block. With `verify`, every block's
+    /// Parses a `CARv1` byte slice: header then every block. With `verify`, every block's
     /// sha2-256 is checked against its CID.
     pub fn parse(b: &'a [u8], verify: bool) -> Result<Self, DecodeError> {
         let (hlen, n) = cid::uvarint(b).map_err(|_| car_err("bad header length varint"))?;
@@ -134,7 +134,7 @@ fn verify_block(c: Cid<'_>, data: &[u8]) -> Result<(), DecodeError> {
     }
 }
 
-/// Builds a CARv1 from blocks, computing each block's CID (dag-cbor, sha2-256). For tests,
+/// Builds a `CARv1` from blocks, computing each block's CID (dag-cbor, sha2-256). For tests,
 /// benches and `relay-sim`.
 #[must_use]
 pub fn build(roots: &[Vec<u8>], blocks: &[Vec<u8>]) -> Vec<u8> {
@@ -156,7 +156,7 @@ pub fn build(roots: &[Vec<u8>], blocks: &[Vec<u8>]) -> Vec<u8> {
     out
 }
 
-/// The dag-cbor sha2-256 CIDv1 bytes of `data`.
+/// The dag-cbor sha2-256 `CIDv1` bytes of `data`.
 #[must_use]
 pub fn cid_for(data: &[u8]) -> Vec<u8> {
     use sha2::Digest;

@@ -1,4 +1,4 @@
-//! CIDs as atproto uses them: CIDv1, codec dag-cbor (0x71) or raw (0x55), sha2-256.
+//! CIDs as atproto uses them: `CIDv1`, codec dag-cbor (0x71) or raw (0x55), sha2-256.
 //!
 //! A CID is kept as its raw bytes (borrowed from the frame); it is turned into its
 //! base32 string form only when written out.

@@ -106,7 +106,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(10),
             ping_interval: Duration::from_secs(20),
             pong_timeout: Duration::from_secs(15),
-            stall_timeout: Duration::from_secs(60),
+            stall_timeout: Duration::from_mins(1),
             max_frame_bytes: 5 << 20,
             backoff: BackoffConfig::default(),
             healthy_after: Duration::from_secs(10),
@@ -472,17 +472,18 @@ impl Subscription {
         // probe is due; data frames themselves prove liveness.
         if self.probe.is_none() {
             let now = Instant::now();
-            if now < conn.next_ping && self.next_probe.is_none_or(|p| now < p) {
-                if let Some(msg) = futures_util::FutureExt::now_or_never(conn.ws.next()) {
-                    return self.on_message(msg);
-                }
+            if now < conn.next_ping
+                && self.next_probe.is_none_or(|p| now < p)
+                && let Some(msg) = futures_util::FutureExt::now_or_never(conn.ws.next())
+            {
+                return self.on_message(msg);
             }
         }
         let stall_at = conn.last_data.max(wait_started) + cfg.stall_timeout;
         let pong_at = conn.pong_due;
         let next_ping = conn.next_ping;
         let probe_at = if self.probe.is_none() { self.next_probe } else { None };
-        let far = Instant::now() + Duration::from_secs(86_400);
+        let far = Instant::now() + Duration::from_hours(24);
         tokio::select! {
             biased;
             msg = conn.ws.next() => self.on_message(msg),

@@ -115,7 +115,7 @@ pub enum CidError {
     /// A varint was too long or not minimal.
     #[error("bad varint in CID")]
     Varint,
-    /// Only CIDv1 is used by atproto.
+    /// Only `CIDv1` is used by atproto.
     #[error("CID version {0} is not 1")]
     Version(u64),
     /// Only dag-cbor and raw codecs are used by atproto.

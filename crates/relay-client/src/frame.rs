@@ -215,7 +215,7 @@ pub struct Commit<'a> {
     pub rev: &'a str,
     /// The previous revision, if any.
     pub since: Option<&'a str>,
-    /// CARv1 slice with the commit, MST diff and record blocks.
+    /// `CARv1` slice with the commit, MST diff and record blocks.
     pub blocks: &'a [u8],
     /// Record operations.
     pub ops: Vec<RepoOp<'a>>,
@@ -576,6 +576,7 @@ fn unknown_seq(r: &mut Reader<'_>) -> Result<Option<u64>, DecodeError> {
 
 /// Where the body's `seq` value lies in a frame, as a byte range, for tools that
 /// renumber frames (`relay-sim`'s seq reset) without re-encoding the rest.
+#[must_use]
 pub fn seq_span(bytes: &[u8]) -> Option<std::ops::Range<usize>> {
     let mut r = Reader::new(bytes);
     header(&mut r).ok()?;

@@ -112,13 +112,12 @@ fn field_str(out: &mut String, name: &str, v: &str) {
 }
 
 fn field_opt_str(out: &mut String, name: &str, v: Option<&str>) {
-    match v {
-        Some(v) => field_str(out, name, v),
-        None => {
-            out.push_str(",\"");
-            out.push_str(name);
-            out.push_str("\":null");
-        }
+    if let Some(v) = v {
+        field_str(out, name, v)
+    } else {
+        out.push_str(",\"");
+        out.push_str(name);
+        out.push_str("\":null");
     }
 }
 

@@ -4,7 +4,7 @@
 //! - [`relay_url`]: ws/wss URLs, the relay fingerprint, credential redaction.
 //! - [`cbor`]: a strict, borrowing DAG-CBOR reader (and a small canonical writer).
 //! - [`cid`]: atproto CIDs and their string forms.
-//! - [`car`]: a CARv1 slice reader for commit `blocks`.
+//! - [`car`]: a `CARv1` slice reader for commit `blocks`.
 //! - [`frame`]: `subscribeRepos` frames decoded into borrowed structs.
 //! - [`json`]: records and frames in the atproto JSON data model.
 //! - [`client`]: the WebSocket connection loop with reconnect, backoff, stall detection

@@ -411,10 +411,10 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
                 tx.flush().await?;
                 // Let faults and pings in between batches.
                 tokio::task::yield_now().await;
-                if let Ok(f) = faults.try_recv() {
-                    if apply(&mut tx, f).await? {
-                        return Ok(());
-                    }
+                if let Ok(f) = faults.try_recv()
+                    && apply(&mut tx, f).await?
+                {
+                    return Ok(());
                 }
                 continue;
             }

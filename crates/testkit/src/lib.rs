@@ -2,8 +2,8 @@
 //!
 //! - [`RedisServer`]: a real `redis-server` child process on a free loopback port, which a
 //!   test can kill, pause (SIGSTOP), resume and restart on the same port.
-//! - [`PgServer`]: a real PostgreSQL server in a temporary data directory (run as the
-//!   `postgres` user when the tests run as root, since PostgreSQL refuses root).
+//! - [`PgServer`]: a real `PostgreSQL` server in a temporary data directory (run as the
+//!   `postgres` user when the tests run as root, since `PostgreSQL` refuses root).
 //! - [`TcpProxy`]: a loopback TCP proxy that can cut the link or add latency, to separate
 //!   one client from a server while others still reach it.
 
@@ -242,7 +242,7 @@ async fn pump(r: &mut (impl AsyncReadExt + Unpin), w: &mut (impl AsyncWriteExt +
     }
 }
 
-/// A PostgreSQL server owned by one test (binary), in its own data directory.
+/// A `PostgreSQL` server owned by one test (binary), in its own data directory.
 pub struct PgServer {
     port: u16,
     dir: std::path::PathBuf,
@@ -257,7 +257,7 @@ fn pg_bin(name: &str) -> std::path::PathBuf {
     dirs.pop().unwrap_or_else(|| name.into())
 }
 
-/// uid and gid of the `postgres` user, when we are root (PostgreSQL refuses to run as root).
+/// uid and gid of the `postgres` user, when we are root (`PostgreSQL` refuses to run as root).
 fn postgres_ids() -> Option<(u32, u32)> {
     let me = Command::new("id").arg("-u").output().ok()?;
     if String::from_utf8_lossy(&me.stdout).trim() != "0" {

@@ -273,10 +273,10 @@ impl Cluster {
             if r.child.is_none() {
                 continue;
             }
-            if let Some(s) = r.status().await {
-                if s["role"] == "leader" {
-                    found.push((i, s["token"].as_u64().unwrap_or(0)));
-                }
+            if let Some(s) = r.status().await
+                && s["role"] == "leader"
+            {
+                found.push((i, s["token"].as_u64().unwrap_or(0)));
             }
         }
         (found.len() == 1).then(|| found[0])
@@ -286,10 +286,10 @@ impl Cluster {
     pub async fn wait_leader(&self, not: Option<usize>) -> (usize, u64) {
         let deadline = Instant::now() + WAIT;
         loop {
-            if let Some((i, t)) = self.leader().await {
-                if Some(i) != not {
-                    return (i, t);
-                }
+            if let Some((i, t)) = self.leader().await
+                && Some(i) != not
+            {
+                return (i, t);
             }
             assert!(Instant::now() < deadline, "no leader elected; logs in {}", self.dir.display());
             tokio::time::sleep(Duration::from_millis(5)).await;
