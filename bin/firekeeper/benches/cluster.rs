@@ -126,21 +126,12 @@ async fn failover(runs: usize) -> (Vec<f64>, Vec<f64>) {
             .filter(|v| v["fields"]["message"] == "elected leader")
             .filter_map(|v| v["timestamp"].as_str().map(str::to_owned))
             .next_back()
-            .and_then(|t| log_time_str(&t))
+            .and_then(|t| support::parse_ts(&t))
             .expect("election logged");
         gaps.push((elected - released) * 1000.0);
         c.replicas[l].start();
     }
     (crash, gaps)
-}
-
-fn log_time_str(ts: &str) -> Option<f64> {
-    let t = ts.split('T').nth(1)?.trim_end_matches('Z');
-    let mut it = t.split(':');
-    let h: f64 = it.next()?.parse().ok()?;
-    let m: f64 = it.next()?.parse().ok()?;
-    let s: f64 = it.next()?.parse().ok()?;
-    Some(h * 3600.0 + m * 60.0 + s)
 }
 
 fn main() {

@@ -10,15 +10,7 @@ use relay_client::json;
 
 fn load() -> Vec<Vec<u8>> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames");
-    let raw = std::fs::read(path).expect("fixture");
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at < raw.len() {
-        let len = u32::from_be_bytes(raw[at..at + 4].try_into().expect("len")) as usize;
-        out.push(raw[at + 4..at + 4 + len].to_vec());
-        at += 4 + len;
-    }
-    out
+    relay_sim::capture::read(&path).expect("fixture").into_iter().map(|b| b.to_vec()).collect()
 }
 
 /// Full decode: structure, CAR, every record validated and rendered as JSON.

@@ -9,23 +9,11 @@ fn shared() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures")
 }
 
-fn frames(bytes: &[u8]) -> Vec<&[u8]> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at < bytes.len() {
-        let len = u32::from_be_bytes(bytes[at..at + 4].try_into().expect("len")) as usize;
-        out.push(&bytes[at + 4..at + 4 + len]);
-        at += 4 + len;
-    }
-    out
-}
-
 #[test]
 fn capture_matches_reference_decoding_line_for_line() {
-    let raw = std::fs::read(shared().join("pds-capture.frames")).expect("fixture frames");
+    let frames = relay_sim::capture::read(&shared().join("pds-capture.frames")).expect("fixture frames");
     let expected = std::fs::read_to_string(shared().join("pds-capture.expected.jsonl")).expect("fixture jsonl");
     let expected: Vec<&str> = expected.lines().collect();
-    let frames = frames(&raw);
     assert_eq!(frames.len(), 1476);
     assert_eq!(frames.len(), expected.len());
     let (mut commits, mut ops, mut records) = (0, 0, 0);

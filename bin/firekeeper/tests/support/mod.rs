@@ -385,7 +385,7 @@ pub fn log_time(files: &[PathBuf], message: &str) -> Option<f64> {
 }
 
 /// `2026-12-02T14:27:51.530159Z` → seconds of the day (enough for differences).
-fn parse_ts(s: &str) -> Option<f64> {
+pub fn parse_ts(s: &str) -> Option<f64> {
     let t = s.split('T').nth(1)?.trim_end_matches('Z');
     let mut it = t.split(':');
     let h: f64 = it.next()?.parse().ok()?;
