@@ -370,3 +370,21 @@ async fn metrics_and_status_are_scraped_while_leading() {
     assert_eq!(http_get(&addr, "/readyz").await.map(|r| r.0), Some(200));
     assert!(sigterm_and_wait(child).success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capture_records_frames_relay_sim_can_replay() {
+    let relay = sim(None).await;
+    let dir = tmpdir("capture");
+    let env = base_env(&relay.url(), &dir);
+    let file = dir.join("cap.frames");
+    let file_s = file.to_string_lossy().into_owned();
+    let out =
+        tokio::task::spawn_blocking(move || run_once(&env, &["capture", &file_s, "--cursor", "10", "--limit", "100"]))
+            .await
+            .expect("join");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got = capture::read(&file).expect("a valid capture file");
+    let want = fixture();
+    assert_eq!(got.len(), 100);
+    assert_eq!(&got[..], &want[10..110], "byte for byte the relay's frames after the cursor");
+}
