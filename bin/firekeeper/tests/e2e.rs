@@ -388,3 +388,63 @@ async fn capture_records_frames_relay_sim_can_replay() {
     assert_eq!(got.len(), 100);
     assert_eq!(&got[..], &want[10..110], "byte for byte the relay's frames after the cursor");
 }
+
+/// A webhook that accepts connections and never answers.
+async fn black_hole() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    url
+}
+
+fn wait_exit(mut c: Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(s) = c.try_wait().expect("wait") {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "firekeeper did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_over_budget_exits_1_and_a_second_signal_forces_exit() {
+    let url = black_hole().await;
+    let relay = sim(None).await;
+    let dir = tmpdir("stuck");
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), url);
+    env.insert("FIREKEEPER_WEBHOOK_TIMEOUT_MS".into(), "60000".into());
+    env.insert("FIREKEEPER_DRAIN_BUDGET_MS".into(), "1000".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    // One signal: the drain cannot finish, the budget runs out, exit 1, nothing committed.
+    let c = firekeeper(&env, &[], &dir.join("stuck.log"));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
+    let s = tokio::task::spawn_blocking(move || wait_exit(c)).await.expect("join");
+    assert_eq!(s.code(), Some(1), "{}", std::fs::read_to_string(dir.join("stuck.log")).unwrap_or_default());
+    let log = std::fs::read_to_string(dir.join("stuck.log")).unwrap_or_default();
+    assert!(log.contains("drain exceeded"), "{log}");
+    let out = run_once(&env, &["cursor", "show"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cursor 0"), "no event was acknowledged, so nothing moved");
+    // Two signals: the second exits at once with 130.
+    let mut env2 = env.clone();
+    env2.insert("FIREKEEPER_DRAIN_BUDGET_MS".into(), "15000".into());
+    env2.insert("FIREKEEPER_DATA_DIR".into(), dir.join("data2").to_string_lossy().into_owned());
+    assert!(run_once(&env2, &["cursor", "set", "0"]).status.success());
+    let c = firekeeper(&env2, &[], &dir.join("forced.log"));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let pid = c.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let s = tokio::task::spawn_blocking(move || wait_exit(c)).await.expect("join");
+    assert_eq!(s.code(), Some(130));
+}
