@@ -225,6 +225,16 @@ async fn run(cfg: Config) -> Result<()> {
     let store = Store::open(&cfg).await?;
     let sink = Arc::new(sink::Sink::open(&cfg).await?);
     let backend = LeaseBackend::new(&cfg)?;
+    if let Store::Postgres(pg) = &store {
+        // Tokens must stay above what the cursor table has seen, even if the lease
+        // store lost its counter.
+        let seen = pg.fence_token().await?;
+        let fence = match &backend {
+            LeaseBackend::Redis(b) => b.seed_fence(seen).await?,
+            LeaseBackend::Local(b) => b.seed_fence(seen).await?,
+        };
+        tracing::info!(seen, fence, "lease fence seeded from the cursor table");
+    }
     let instance = cfg.instance_id.clone().unwrap_or_else(uuid_like);
     let clock = Arc::new(BootClock);
     let (handle, events) = match &backend {

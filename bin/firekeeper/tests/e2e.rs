@@ -206,6 +206,25 @@ async fn postgres_sink_writes_rows_and_cursor_in_one_transaction_and_is_idempote
     }
     assert!(sigterm_and_wait(child).success());
     assert_eq!(count().await, 476, "idempotent on replay");
+    // The lease loses its counter (data dir wiped): tokens are seeded above what the
+    // cursor table saw, so the new leader is not refused forever.
+    std::fs::remove_dir_all(dir.join("data")).expect("wipe lease state");
+    assert!(run_once(&env, &["cursor", "set", "1400"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("pg3.log"));
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let c: i64 = client.query_one("SELECT cursor FROM firekeeper_cursors", &[]).await.expect("cursor").get(0);
+        if c == 1476 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a fresh lease store must not lock the leader out: {}",
+            std::fs::read_to_string(dir.join("pg3.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(sigterm_and_wait(child).success());
 }
 
 /// A webhook receiver that answers 500 to every third request; returns accepted bodies.

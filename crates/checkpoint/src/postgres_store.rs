@@ -78,6 +78,18 @@ impl PostgresStore {
         .await
     }
 
+    /// The highest token presented so far (0 when none): the lease seeds its counter with
+    /// it at startup, so a lease store that lost its counter cannot issue tokens this
+    /// table would refuse.
+    pub async fn fence_token(&self) -> Result<u64, StoreError> {
+        let c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let row = c.query_opt("SELECT token FROM firekeeper_fence WHERE id", &[]).await.map_err(|e| pg(&e))?;
+            row.map_or(Ok(0), |r| as_u64(r.get(0), "fence token"))
+        })
+        .await
+    }
+
     /// Raises the fence to `token` on election; `Fenced` if a newer term already claimed.
     pub async fn claim(&self, token: u64) -> Result<CommitOutcome, StoreError> {
         let mut c = self.client.lock().await;

@@ -49,6 +49,7 @@ async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_tra
     assert_eq!(s.commit(FP, 100, 3).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.commit(FP, 90, 3).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     // A new term claims; the old one is refused from then on.
+    assert_eq!(s.fence_token().await, Ok(3));
     assert_eq!(s.claim(4).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.commit(FP, 200, 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
     assert_eq!(s.claim(3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
