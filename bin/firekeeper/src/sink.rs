@@ -35,6 +35,8 @@ pub struct BatchCtx {
     pub fingerprint: String,
     /// Fires when the term ends: stop retrying.
     pub cancel: CancellationToken,
+    /// The term itself: nothing is written once its deadline has passed.
+    pub term: lease::Term,
 }
 
 /// Why a batch was not written.
@@ -143,7 +145,7 @@ impl Sink {
     }
 
     async fn try_write(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), SinkError> {
-        if ctx.cancel.is_cancelled() {
+        if !ctx.term.is_active() {
             return Err(SinkError::Cancelled);
         }
         match self {

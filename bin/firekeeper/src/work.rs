@@ -269,7 +269,12 @@ async fn read_cursor(cx: &Ctx<'_>, term: &Term, role: RelayRole, fp: &str) -> Op
 }
 
 /// Commits the watermark if it moved. `Err` means fenced: the term is over.
-async fn commit(cx: &Ctx<'_>, p: &mut Pipeline, final_: bool) -> Result<(), ()> {
+async fn commit(cx: &Ctx<'_>, term: &Term, p: &mut Pipeline, final_: bool) -> Result<(), ()> {
+    // Act only while the term is active, whatever the store would answer: a process that
+    // was frozen past its deadline must not commit before its supervisor notices.
+    if !term.is_active() {
+        return Err(());
+    }
     let Some(c) = p.watermark.committable() else { return Ok(()) };
     if p.committed.is_some_and(|done| done >= c) {
         return Ok(());
@@ -331,6 +336,7 @@ fn ctx_for(cfg: &Config, term: &Term, role: RelayRole) -> BatchCtx {
         relay: role.as_str(),
         fingerprint: url.fingerprint().to_owned(),
         cancel: term.cancellation(),
+        term: term.clone(),
     }
 }
 
@@ -453,7 +459,7 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
                 }
             }
             _ = tick.tick() => {
-                if commit(cx, &mut p, false).await.is_err() {
+                if commit(cx, &term, &mut p, false).await.is_err() {
                     p.abort();
                     return TermEnd::Lost;
                 }
@@ -487,7 +493,7 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
                         r = p.drain() => r.is_ok(),
                         () = cancel.cancelled() => false,
                     };
-                    if !drained || commit(cx, &mut p, true).await.is_err() {
+                    if !drained || commit(cx, &term, &mut p, true).await.is_err() {
                         p.abort();
                         return TermEnd::Lost;
                     }
@@ -520,7 +526,7 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     sub.close().await;
     let drain = async {
         p.drain().await.map_err(|e| e.to_string())?;
-        commit(cx, &mut p, true).await.map_err(|()| "final commit fenced".to_owned())?;
+        commit(cx, &term, &mut p, true).await.map_err(|()| "final commit fenced".to_owned())?;
         if p.committed != p.watermark.committable() {
             return Err("final commit did not land".to_owned());
         }
