@@ -10,6 +10,10 @@ capture=${CAPTURE:-../shared/fixtures/pds-capture.frames}
 sim=$!
 trap 'kill $sim 2>/dev/null || true' EXIT
 sleep 0.3
-FIREKEEPER_RELAY=${FIREKEEPER_RELAY:-ws://127.0.0.1:2470} \
-FIREKEEPER_LOG_FORMAT=${FIREKEEPER_LOG_FORMAT:-text} \
-  ./target/release/firekeeper run
+export FIREKEEPER_RELAY=${FIREKEEPER_RELAY:-ws://127.0.0.1:2470}
+export FIREKEEPER_LOG_FORMAT=${FIREKEEPER_LOG_FORMAT:-text}
+# First run: start from the beginning of the capture instead of the live tail.
+if ./target/release/firekeeper cursor show | grep -q 'cursor none'; then
+  ./target/release/firekeeper cursor set 0 >&2
+fi
+./target/release/firekeeper run
