@@ -246,9 +246,8 @@ impl Config {
 
         let store = match v.get("cursor_store") {
             None if redis_url.is_some() => StoreKind::Redis,
-            None => StoreKind::File,
+            None | Some("file") => StoreKind::File,
             Some("redis") => StoreKind::Redis,
-            Some("file") => StoreKind::File,
             Some("postgres") => StoreKind::Postgres,
             Some(other) => {
                 v.errors.push(format!("FIREKEEPER_CURSOR_STORE={other:?} must be redis, file or postgres"));

@@ -1,6 +1,8 @@
 //! Decode throughput on the real PDS capture: frames/s for the structural decode alone and
 //! for the full decode (CAR parse, record look-up and validation, JSON of every record).
 
+#![allow(missing_docs)] // criterion_group! generates an undocumented fn
+
 use std::hint::black_box;
 use std::path::PathBuf;
 

@@ -350,6 +350,7 @@ impl Writer {
         Self::default()
     }
 
+    #[allow(clippy::decimal_bitwise_operands)] // 24..27 are the spec's additional-info values
     fn head(&mut self, major: u8, arg: u64) -> &mut Self {
         let m = major << 5;
         if arg < 24 {

@@ -113,7 +113,7 @@ fn field_str(out: &mut String, name: &str, v: &str) {
 
 fn field_opt_str(out: &mut String, name: &str, v: Option<&str>) {
     if let Some(v) = v {
-        field_str(out, name, v)
+        field_str(out, name, v);
     } else {
         out.push_str(",\"");
         out.push_str(name);
