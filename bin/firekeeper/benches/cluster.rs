@@ -52,28 +52,11 @@ async fn slow_sink_rss() -> f64 {
         loop {
             let Ok((mut s, _)) = listener.accept().await else { return };
             tokio::spawn(async move {
-                use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                let mut buf = vec![0u8; 1 << 16];
-                let mut got = Vec::new();
-                loop {
-                    let Ok(n) = s.read(&mut buf).await else { return };
-                    if n == 0 {
-                        return;
-                    }
-                    got.extend_from_slice(&buf[..n]);
-                    if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&got[..i]).to_lowercase();
-                        let len: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if got.len() >= i + 4 + len {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                            let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
-                            got.drain(..i + 4 + len);
-                        }
-                    }
+                use tokio::io::AsyncWriteExt;
+                let mut pending = Vec::new();
+                while support::read_request(&mut s, &mut pending).await.is_some() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
                 }
             });
         }

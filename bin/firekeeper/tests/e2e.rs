@@ -7,28 +7,19 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod support;
+
 use relay_sim::{RelaySim, SimConfig, capture};
+use support::{fixture, http_get, tmpdir};
 use testkit::{PgServer, RedisServer, free_port};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 const WAIT: Duration = Duration::from_mins(1);
 const TOTAL: u64 = 1476;
 
-fn fixture() -> Vec<bytes::Bytes> {
-    capture::read(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames"))
-        .expect("fixture")
-}
-
 async fn sim(rate: Option<u32>) -> RelaySim {
     let cfg = SimConfig { rate, initial_head: rate.map(|_| 0), ..SimConfig::default() };
     RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
-}
-
-fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fk-e2e-{name}-{}-{}", std::process::id(), free_port()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("tmp");
-    d
 }
 
 fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
@@ -235,40 +226,12 @@ async fn flaky_webhook() -> (String, Arc<Mutex<Vec<String>>>, Arc<Mutex<u32>>) {
             let fail = n.is_multiple_of(3);
             let (acc, fails) = (acc.clone(), fails.clone());
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 65536];
-                // Read headers, then content-length bytes of body.
-                let (head_end, len) = loop {
-                    let Ok(k) = s.read(&mut chunk).await else { return };
-                    if k == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..k]);
-                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..i]).to_lowercase();
-                        let len = head
-                            .lines()
-                            .find_map(|l| {
-                                l.strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0))
-                            })
-                            .unwrap_or(0);
-                        break (i + 4, len);
-                    }
-                };
-                while buf.len() < head_end + len {
-                    let Ok(k) = s.read(&mut chunk).await else { return };
-                    if k == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..k]);
-                }
+                let Some(body) = support::read_request(&mut s, &mut Vec::new()).await else { return };
                 let status = if fail {
                     *fails.lock().expect("lock") += 1;
                     "500 Internal Server Error"
                 } else {
-                    acc.lock()
-                        .expect("lock")
-                        .push(String::from_utf8_lossy(&buf[head_end..head_end + len]).into_owned());
+                    acc.lock().expect("lock").push(String::from_utf8_lossy(&body).into_owned());
                     "200 OK"
                 };
                 let _ = s
@@ -332,15 +295,6 @@ fn config_errors_name_every_bad_variable_and_exit_2() {
     let ok = run_once(&HashMap::new(), &["check-config"]);
     assert!(ok.status.success());
     assert!(String::from_utf8_lossy(&ok.stdout).contains("configuration ok"));
-}
-
-async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, buf.split_once("\r\n\r\n")?.1.to_owned()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,6 +38,31 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     Some((code, buf.split_once("\r\n\r\n")?.1.to_owned()))
 }
 
+/// Reads one HTTP request from `s` and returns its body; bytes of a following request
+/// stay in `pending`. `None` when the peer closed. For the test webhook receivers.
+pub async fn read_request(s: &mut tokio::net::TcpStream, pending: &mut Vec<u8>) -> Option<Vec<u8>> {
+    let mut chunk = vec![0u8; 1 << 16];
+    loop {
+        if let Some(i) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&pending[..i]).to_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if pending.len() >= i + 4 + len {
+                let body = pending[i + 4..i + 4 + len].to_vec();
+                pending.drain(..i + 4 + len);
+                return Some(body);
+            }
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(k) => pending.extend_from_slice(&chunk[..k]),
+        }
+    }
+}
+
 /// One firekeeper process slot (restartable).
 pub struct Replica {
     pub name: String,
