@@ -70,6 +70,24 @@ pub enum FutureCursorPolicy {
     GoLive,
 }
 
+/// What to do with a frame that carries a seq but cannot be decoded (or is over the
+/// frame limit). Frames without a readable seq (garbage, text) have no place in the
+/// sequence and are always counted and skipped: they cannot move the cursor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BadFramePolicy {
+    /// Stop with [`SubscribeError::BadFrame`] / [`SubscribeError::FrameTooLarge`]: the
+    /// cursor stays before the frame until an operator decides.
+    #[default]
+    Fail,
+    /// Count it ([`Notice::BadFrame`] with `skipped: true`) and move past it: the caller
+    /// accepts that this one event is lost.
+    Skip,
+}
+
+/// When skipping an oversized frame, the next connection reads with this limit (or four
+/// times the configured one, if larger) only to learn the frame's seq.
+pub const OVERSIZE_PROBE_BYTES: usize = 64 << 20;
+
 /// Connection settings. The defaults suit the public Bluesky relays.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -98,6 +116,8 @@ pub struct ClientConfig {
     pub probe_hold: Duration,
     /// What to do on `FutureCursor`.
     pub future_cursor: FutureCursorPolicy,
+    /// What to do with an undecodable or oversized frame that has a seq.
+    pub bad_frame: BadFramePolicy,
 }
 
 impl Default for ClientConfig {
@@ -115,6 +135,7 @@ impl Default for ClientConfig {
             probe_successes: 2,
             probe_hold: Duration::from_secs(1),
             future_cursor: FutureCursorPolicy::Fail,
+            bad_frame: BadFramePolicy::Fail,
         }
     }
 }
@@ -157,7 +178,10 @@ pub enum Notice {
         /// Delay before the next attempt.
         retry_in: Duration,
     },
-    /// A frame could not be decoded; it was skipped, the cursor does not move past it.
+    /// A frame could not be decoded and was skipped. With `seq: None` it had no place in
+    /// the sequence (garbage, text) and the cursor is unaffected; with a seq it was
+    /// skipped under [`BadFramePolicy::Skip`] and the cursor moves past it (under
+    /// [`BadFramePolicy::Fail`] the subscription stops instead and no notice is sent).
     BadFrame {
         /// Which relay.
         relay: RelayRole,
@@ -278,6 +302,9 @@ pub struct Subscription {
     next_probe: Option<Instant>,
     probe_ok: u32,
     stats: Stats,
+    /// The next connection reads with a raised frame limit, to learn the seq of an
+    /// oversized frame that [`BadFramePolicy::Skip`] must step over.
+    oversize_probe: bool,
 }
 
 impl fmt::Debug for Subscription {
@@ -316,6 +343,7 @@ impl Subscription {
             next_probe: None,
             probe_ok: 0,
             stats: Stats::default(),
+            oversize_probe: false,
         }
     }
 
@@ -401,7 +429,7 @@ impl Subscription {
         }
         let relay = self.active;
         let url = self.url(relay).unwrap_or(&self.primary).subscribe_url(self.cursor);
-        let cfg = ws_config(self.cfg.max_frame_bytes);
+        let cfg = ws_config(self.read_limit());
         let span = tracing::info_span!("relay_connect", relay = relay.as_str(), cursor = ?self.cursor);
         let attempt = tracing::Instrument::instrument(
             timeout(
@@ -429,6 +457,16 @@ impl Subscription {
             }
             Ok(Err(e)) => self.fail(ConnError::Connect(describe(&e))),
             Err(_) => self.fail(ConnError::ConnectTimeout(self.cfg.connect_timeout)),
+        }
+    }
+
+    /// The socket's frame limit: the configured one, or the raised one while stepping
+    /// over an oversized frame.
+    fn read_limit(&self) -> usize {
+        if self.oversize_probe {
+            self.cfg.max_frame_bytes.saturating_mul(4).max(OVERSIZE_PROBE_BYTES)
+        } else {
+            self.cfg.max_frame_bytes
         }
     }
 
@@ -548,10 +586,21 @@ impl Subscription {
             }
             Some(Err(tungstenite::Error::Capacity(_))) => {
                 self.stats.bad_frames += 1;
-                let error = DecodeError::TooLarge { size: self.cfg.max_frame_bytes + 1, max: self.cfg.max_frame_bytes };
-                tracing::error!(relay = relay.as_str(), %error, cursor = ?self.cursor, "oversized frame; reconnecting");
-                self.queue.push_back(Item::Notice(Notice::BadFrame { relay, seq: None, error }));
-                self.fail(ConnError::TooLarge(self.cfg.max_frame_bytes));
+                let max = self.cfg.max_frame_bytes;
+                let after = self.cursor;
+                // Reconnecting from the same cursor would meet the same frame forever.
+                if self.cfg.bad_frame == BadFramePolicy::Fail || self.oversize_probe {
+                    let limit = self.read_limit();
+                    tracing::error!(relay = relay.as_str(), max = limit, cursor = ?after, "oversized frame: stopping before it");
+                    self.conn = None;
+                    self.awaiting_start = true;
+                    self.oversize_probe = false;
+                    return Err(SubscribeError::FrameTooLarge { relay, after, max: limit });
+                }
+                tracing::error!(relay = relay.as_str(), max, cursor = ?after, "oversized frame: reconnecting with a raised limit to learn its seq and skip it");
+                self.oversize_probe = true;
+                self.conn = None;
+                self.retry_at = None;
                 return Ok(None);
             }
             Some(Err(e)) => {
@@ -563,7 +612,7 @@ impl Subscription {
         let bytes = match msg {
             WsMessage::Binary(b) => b,
             WsMessage::Text(t) => {
-                return Ok(Some(self.bad_frame(None, DecodeError::TextMessage { len: t.len() })));
+                return self.bad_frame(None, DecodeError::TextMessage { len: t.len() });
             }
             WsMessage::Pong(_) => {
                 if let Some(c) = self.conn.as_mut() {
@@ -589,12 +638,15 @@ impl Subscription {
                 self.failures = 0;
             }
         }
+        let max = self.cfg.max_frame_bytes;
+        if bytes.len() > max {
+            // Only reachable while reading with the raised limit.
+            self.oversize_probe = false;
+            return self.bad_frame(peek_seq(&bytes), DecodeError::TooLarge { size: bytes.len(), max });
+        }
         let decoded = match frame::decode(&bytes) {
             Ok(f) => f,
-            Err(error) => {
-                let seq = peek_seq(&bytes);
-                return Ok(Some(self.bad_frame(seq, error)));
-            }
+            Err(error) => return self.bad_frame(peek_seq(&bytes), error),
         };
         let (seq, kind) = match decoded {
             Frame::Error(e) => return self.on_error_frame(e.error, e.message),
@@ -644,11 +696,31 @@ impl Subscription {
         Ok(Some(Item::Frame(OwnedFrame { bytes, seq, relay })))
     }
 
-    fn bad_frame(&mut self, seq: Option<u64>, error: DecodeError) -> Item {
+    /// Applies the bad-frame policy. A frame at or below the last delivered seq is a
+    /// replay of something already handled and is dropped quietly.
+    fn bad_frame(&mut self, seq: Option<u64>, error: DecodeError) -> Result<Option<Item>, SubscribeError> {
         self.stats.bad_frames += 1;
         let relay = self.active;
-        tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, "bad frame skipped");
-        Item::Notice(Notice::BadFrame { relay, seq, error })
+        let Some(seq) = seq else {
+            tracing::error!(relay = relay.as_str(), reason = error.reason(), %error, "frame without a readable seq skipped");
+            return Ok(Some(Item::Notice(Notice::BadFrame { relay, seq: None, error })));
+        };
+        if self.cursor.is_some_and(|c| seq <= c) {
+            return Ok(None);
+        }
+        match self.cfg.bad_frame {
+            BadFramePolicy::Fail => {
+                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, cursor = ?self.cursor, "undecodable frame: stopping before it (FIREKEEPER_BAD_FRAME=fail)");
+                self.conn = None;
+                self.awaiting_start = true;
+                Err(SubscribeError::BadFrame { relay, seq, error })
+            }
+            BadFramePolicy::Skip => {
+                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, "undecodable frame skipped: this event is lost (FIREKEEPER_BAD_FRAME=skip)");
+                self.cursor = Some(seq);
+                Ok(Some(Item::Notice(Notice::BadFrame { relay, seq: Some(seq), error })))
+            }
+        }
     }
 
     fn on_error_frame(&mut self, error: &str, message: Option<&str>) -> Result<Option<Item>, SubscribeError> {

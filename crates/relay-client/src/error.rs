@@ -255,6 +255,36 @@ pub enum SubscribeError {
         /// The relay's message.
         message: String,
     },
+    /// A frame carrying seq `seq` could not be decoded and the policy is
+    /// [`BadFramePolicy::Fail`](crate::client::BadFramePolicy): the cursor must not move
+    /// past an event nobody processed, so the subscription stops at the frame before it.
+    #[error(
+        "{relay} relay sent seq {seq} that cannot be decoded ({error}); the cursor stays before it. \
+         Set FIREKEEPER_BAD_FRAME=skip to skip such frames, or move the cursor past it with \
+         `firekeeper cursor set {seq}`"
+    )]
+    BadFrame {
+        /// Which relay.
+        relay: crate::RelayRole,
+        /// The seq of the undecodable frame.
+        seq: u64,
+        /// What was wrong with it.
+        error: DecodeError,
+    },
+    /// The frame after `after` is larger than the frame limit. Under the fail policy, or
+    /// when even the raised limit could not read its seq, the subscription stops there.
+    #[error(
+        "{relay} relay sent a frame after seq {after:?} larger than {max} bytes; the cursor stays before it. \
+         Raise FIREKEEPER_MAX_FRAME_BYTES, or set FIREKEEPER_BAD_FRAME=skip"
+    )]
+    FrameTooLarge {
+        /// Which relay.
+        relay: crate::RelayRole,
+        /// The last seq delivered before it.
+        after: Option<u64>,
+        /// The limit it exceeded.
+        max: usize,
+    },
     /// The subscription was closed by the caller.
     #[error("subscription closed")]
     Closed,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use relay_client::backoff::BackoffConfig;
-use relay_client::client::{Stats, SwitchReason};
+use relay_client::client::{BadFramePolicy, Stats, SwitchReason};
 use relay_client::{
     ClientConfig, ConnError, DecodeError, Item, Notice, RelayRole, RelayUrl, SubscribeError, Subscription,
 };
@@ -143,43 +143,126 @@ async fn garbage_and_text_frames_are_skipped_and_the_stream_goes_on() {
     assert_eq!(s.stats().bad_frames, 2);
 }
 
-#[tokio::test]
-async fn bad_frame_with_readable_seq_reports_it() {
-    let frames = fixture();
-    let sim = sim_with(SimConfig { initial_head: Some(2), ..SimConfig::default() }).await;
-    let h = sim.handle();
-    let mut s = sub(&sim, cfg());
-    s.start(RelayRole::Primary, Some(0));
-    let mut items = collect(&mut s, last_seq_is(2)).await;
-    // Frame 3 with its header's `op` replaced by 7, so the seq is readable but the frame is not.
-    let mut bad = frames[2].to_vec();
+/// Frame 3 of the fixture with its header's `op` replaced by 7: the seq is readable, the
+/// frame is not.
+fn undecodable_third_frame() -> Bytes {
+    let mut bad = fixture()[2].to_vec();
     let at = bad.windows(3).position(|w| w == [0x62, b'o', b'p']).expect("op key");
     bad[at + 3] = 0x07;
-    h.send_raw(Bytes::from(bad));
-    items.extend(collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::BadFrame { .. }))).await);
+    Bytes::from(bad)
+}
+
+/// The fixture with frame `i` replaced.
+fn fixture_with(i: usize, frame: Bytes) -> Vec<Bytes> {
+    let mut f = fixture();
+    f[i] = frame;
+    f
+}
+
+async fn sim_of(frames: Vec<Bytes>, head: usize) -> RelaySim {
+    let cfg = SimConfig { initial_head: Some(head), ..SimConfig::default() };
+    RelaySim::start_with(frames, cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
+}
+
+/// Reads until the subscription returns an error.
+async fn until_err(s: &mut Subscription, items: &mut Vec<Item>) -> SubscribeError {
+    tokio::time::timeout(DEADLINE, async {
+        loop {
+            match s.next().await {
+                Ok(i) => items.push(i),
+                Err(e) => return e,
+            }
+        }
+    })
+    .await
+    .expect("deadline")
+}
+
+#[tokio::test]
+async fn an_undecodable_frame_with_a_seq_stops_the_subscription_before_it_by_default() {
+    let sim = sim_of(fixture_with(2, undecodable_third_frame()), 6).await;
+    let mut s = sub(&sim, cfg());
+    s.start(RelayRole::Primary, Some(0));
+    let mut items = Vec::new();
+    let err = until_err(&mut s, &mut items).await;
+    assert!(matches!(err, SubscribeError::BadFrame { seq: 3, error: DecodeError::UnknownOp(7), .. }), "{err}");
+    assert!(err.to_string().contains("FIREKEEPER_BAD_FRAME=skip"), "the error says what to do: {err}");
+    assert_eq!(seqs(&items), vec![1, 2], "nothing after the bad frame is delivered");
+    assert_eq!(s.cursor(), Some(2), "the cursor stays before it");
+    assert!(matches!(s.next().await, Err(SubscribeError::Closed)), "it does not go on by itself");
+}
+
+#[tokio::test]
+async fn under_the_skip_policy_an_undecodable_frame_is_reported_and_stepped_over() {
+    let sim = sim_of(fixture_with(2, undecodable_third_frame()), 6).await;
+    let mut c = cfg();
+    c.bad_frame = BadFramePolicy::Skip;
+    let mut s = sub(&sim, c);
+    s.start(RelayRole::Primary, Some(0));
+    let mut items = collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::BadFrame { .. }))).await;
     assert!(has_notice(&items, |n| matches!(
         n,
         Notice::BadFrame { seq: Some(3), error: DecodeError::UnknownOp(7), .. }
     )));
-    assert_eq!(s.cursor(), Some(2), "a bad frame never moves the cursor");
+    // A reconnect now resumes after the skipped frame, not before it.
+    assert_eq!(s.cursor(), Some(3), "skipping moves past the frame");
+    items.extend(collect(&mut s, last_seq_is(6)).await);
+    assert_eq!(seqs(&items), vec![1, 2, 4, 5, 6]);
+}
+
+/// Frame 4 followed by 200 KiB of padding: over a 64 KiB limit, seq still readable.
+fn oversized_fourth_frame() -> Bytes {
+    let mut big = fixture()[3].to_vec();
+    big.resize(big.len() + (200 << 10), 0);
+    Bytes::from(big)
 }
 
 #[tokio::test]
-async fn oversized_frame_is_refused_and_the_client_reconnects() {
-    let sim = sim_with(SimConfig { initial_head: Some(3), ..SimConfig::default() }).await;
+async fn an_oversized_frame_stops_the_subscription_by_default_instead_of_reconnecting_forever() {
+    let sim = sim_of(fixture_with(3, oversized_fourth_frame()), 6).await;
     let h = sim.handle();
     let mut c = cfg();
     c.max_frame_bytes = 64 << 10;
     let mut s = sub(&sim, c);
     s.start(RelayRole::Primary, Some(0));
+    let mut items = Vec::new();
+    let err = until_err(&mut s, &mut items).await;
+    assert!(matches!(err, SubscribeError::FrameTooLarge { after: Some(3), max: 65536, .. }), "{err}");
+    assert!(err.to_string().contains("FIREKEEPER_MAX_FRAME_BYTES"), "{err}");
+    assert_eq!(seqs(&items), vec![1, 2, 3]);
+    assert_eq!(h.connects(), 1, "no reconnect loop");
+}
+
+#[tokio::test]
+async fn under_the_skip_policy_an_oversized_frame_is_read_once_with_a_raised_limit_and_stepped_over() {
+    let sim = sim_of(fixture_with(3, oversized_fourth_frame()), 6).await;
+    let h = sim.handle();
+    let mut c = cfg();
+    c.max_frame_bytes = 64 << 10;
+    c.bad_frame = BadFramePolicy::Skip;
+    let mut s = sub(&sim, c);
+    s.start(RelayRole::Primary, Some(0));
+    let items = collect(&mut s, last_seq_is(6)).await;
+    assert!(has_notice(&items, |n| matches!(
+        n,
+        Notice::BadFrame { seq: Some(4), error: DecodeError::TooLarge { max: 65536, .. }, .. }
+    )));
+    assert_eq!(seqs(&items), vec![1, 2, 3, 5, 6]);
+    assert_eq!(h.connects(), 2, "one reconnect to read it with the raised limit");
+}
+
+#[tokio::test]
+async fn a_transient_oversized_message_without_a_seq_is_skipped_after_one_reconnect() {
+    let sim = sim_with(SimConfig { initial_head: Some(3), ..SimConfig::default() }).await;
+    let h = sim.handle();
+    let mut c = cfg();
+    c.max_frame_bytes = 64 << 10;
+    c.bad_frame = BadFramePolicy::Skip;
+    let mut s = sub(&sim, c);
+    s.start(RelayRole::Primary, Some(0));
     let mut items = collect(&mut s, last_seq_is(3)).await;
     h.send_raw(Bytes::from(vec![0u8; 200 << 10]));
     items.extend(collect(&mut s, |i| has_notice(i, |n| matches!(n, Notice::Connected { cursor: Some(3), .. }))).await);
-    assert!(has_notice(&items, |n| matches!(
-        n,
-        Notice::BadFrame { error: DecodeError::TooLarge { max: 65536, .. }, .. }
-    )));
-    assert!(has_notice(&items, |n| matches!(n, Notice::Disconnected { error: ConnError::TooLarge(65536), .. })));
     h.publish_up_to(6);
     items.extend(collect(&mut s, last_seq_is(6)).await);
     assert_eq!(seqs(&items), (1..=6).collect::<Vec<_>>());

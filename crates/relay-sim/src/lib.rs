@@ -102,6 +102,16 @@ pub fn frame_seq(bytes: &[u8]) -> Option<u64> {
     })
 }
 
+/// The seq a frame's body carries even when the frame as a whole does not decode (a
+/// corrupt event still has its place in the log).
+#[must_use]
+pub fn peek_seq(bytes: &[u8]) -> Option<u64> {
+    frame_seq(bytes).or_else(|| {
+        let span = relay_client::frame::seq_span(bytes)?;
+        relay_client::cbor::Reader::new(&bytes[span]).u64().ok()
+    })
+}
+
 /// `frame` with its body's seq replaced by `seq` (all else byte for byte the same).
 #[must_use]
 pub fn with_seq(frame: &[u8], seq: u64) -> Option<Bytes> {
@@ -142,7 +152,7 @@ impl RelaySim {
             frames
                 .into_iter()
                 .map(|f| {
-                    last = frame_seq(&f).unwrap_or(last);
+                    last = peek_seq(&f).unwrap_or(last);
                     (last, f)
                 })
                 .collect()
@@ -223,7 +233,7 @@ impl SimHandle {
     pub fn publish(&self, frame: Bytes) {
         let mut log = self.shared.log.lock().expect("log");
         let last = log.frames.last().map_or(0, |f| f.0);
-        let seq = frame_seq(&frame).unwrap_or(last);
+        let seq = peek_seq(&frame).unwrap_or(last);
         log.frames.push((seq, frame));
         let n = log.frames.len();
         drop(log);
