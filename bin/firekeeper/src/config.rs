@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use lease::LeaseConfig;
-use relay_client::client::FutureCursorPolicy;
+use relay_client::client::{BadFramePolicy, FutureCursorPolicy};
 use relay_client::{ClientConfig, RelayUrl};
 
 /// Where cursors are kept.
@@ -112,6 +112,8 @@ const KNOWN: &[&str] = &[
     "connect_timeout_ms",
     "stall_timeout_ms",
     "future_cursor",
+    "bad_frame",
+    "max_frame_bytes",
     "failover_after",
     "probe_interval_ms",
     "verify_blocks",
@@ -350,6 +352,18 @@ impl Config {
                 FutureCursorPolicy::Fail
             }
         };
+        client.bad_frame = match v.get("bad_frame").unwrap_or("fail") {
+            "fail" => BadFramePolicy::Fail,
+            "skip" => BadFramePolicy::Skip,
+            other => {
+                v.errors.push(format!("FIREKEEPER_BAD_FRAME={other:?} must be fail or skip"));
+                BadFramePolicy::Fail
+            }
+        };
+        client.max_frame_bytes = v.count("max_frame_bytes", 5 << 20, 1 << 30);
+        if client.max_frame_bytes < 1024 {
+            v.errors.push("FIREKEEPER_MAX_FRAME_BYTES must be at least 1024".into());
+        }
         let verify_blocks = match v.get("verify_blocks").unwrap_or("false") {
             "true" | "1" | "yes" => true,
             "false" | "0" | "no" => false,

@@ -253,10 +253,11 @@ async fn run(cfg: Config) -> Result<()> {
     let follower = match (&store, &cfg.redis_url) {
         (Store::Redis(s), Some(url)) => {
             let (m, channel) = (remembered.clone(), s.keys().commits_channel.clone());
-            Some(tokio::spawn(checkpoint::redis_store::follow_commits(url.clone(), channel, move |fp, c| {
+            Some(tokio::spawn(checkpoint::redis_store::follow_commits(url.clone(), channel, move |p| {
                 if let Ok(mut m) = m.lock() {
-                    let e = m.entry(fp.to_owned()).or_insert(c);
-                    *e = (*e).max(c);
+                    let e = m.entry(p.fingerprint.to_owned()).or_insert(p.cursor);
+                    // A fenced rewind replaces; anything else only moves forward.
+                    *e = if p.reset { p.cursor } else { (*e).max(p.cursor) };
                 }
             })))
         }

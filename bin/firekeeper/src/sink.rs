@@ -70,6 +70,15 @@ pub enum Sink {
     Null,
 }
 
+/// A redirect target for a log line: scheme, host and path only (no credentials, no
+/// query string, which may carry tokens).
+fn redact_location(l: &str) -> String {
+    match url::Url::parse(l) {
+        Ok(u) => format!("{}://{}{}", u.scheme(), u.host_str().unwrap_or(""), u.path()),
+        Err(_) => l.split(['?', '#']).next().unwrap_or("").rsplit('@').next().unwrap_or("").to_owned(),
+    }
+}
+
 /// The JSON line of an event: `{"seq","relay","token","event"}`.
 pub fn line(e: &Event, ctx: &BatchCtx, out: &mut String) {
     use std::fmt::Write as _;
@@ -111,7 +120,11 @@ impl Sink {
                 Self::Postgres(Mutex::new(client))
             }
             SinkKind::Webhook { url, timeout, .. } => Self::Webhook {
-                client: reqwest::Client::builder().timeout(*timeout).build().context("webhook client")?,
+                client: reqwest::Client::builder()
+                    .timeout(*timeout)
+                    .redirect(reqwest::redirect::Policy::none())
+                    .build()
+                    .context("webhook client")?,
                 url: url.clone(),
             },
             SinkKind::Null => Self::Null,
@@ -156,6 +169,11 @@ impl Sink {
                     line(e, ctx, &mut buf);
                 }
                 let mut w = w.lock().await;
+                // Waiting for the lock may have outlasted the term (another lane was
+                // writing, or the process was frozen): check again, right before writing.
+                if !ctx.term.is_active() {
+                    return Err(SinkError::Cancelled);
+                }
                 w.write_all(buf.as_bytes()).await.map_err(|e| SinkError::Failed(format!("jsonl write: {e}")))?;
                 w.flush().await.map_err(|e| SinkError::Failed(format!("jsonl flush: {e}")))
             }
@@ -163,6 +181,9 @@ impl Sink {
                 let mut body = String::new();
                 for e in batch {
                     line(e, ctx, &mut body);
+                }
+                if !ctx.term.is_active() {
+                    return Err(SinkError::Cancelled);
                 }
                 let resp = client
                     .post(url)
@@ -172,10 +193,20 @@ impl Sink {
                     .send()
                     .await
                     .map_err(|e| SinkError::Failed(format!("webhook: {}", e.without_url())))?;
-                if resp.status().is_success() {
+                // Redirects are not followed (a 301/302/303 would turn the POST into a
+                // body-less GET whose 2xx proves nothing): any non-2xx is a failure.
+                let status = resp.status();
+                if status.is_success() {
                     Ok(())
+                } else if status.is_redirection() {
+                    Err(SinkError::Failed(format!(
+                        "webhook answered HTTP {} (redirect to {:?}); redirects are not followed: point \
+                         FIREKEEPER_WEBHOOK_URL at the final address",
+                        status.as_u16(),
+                        resp.headers().get("location").and_then(|l| l.to_str().ok()).map(redact_location)
+                    )))
                 } else {
-                    Err(SinkError::Failed(format!("webhook answered HTTP {}", resp.status().as_u16())))
+                    Err(SinkError::Failed(format!("webhook answered HTTP {}", status.as_u16())))
                 }
             }
             Self::Postgres(client) => {
@@ -207,6 +238,11 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
         Ok(CommitOutcome::Fenced { .. }) => {
             let _ = tx.rollback().await;
             Err(SinkError::Fenced)
+        }
+        // The transaction may have waited on a lock past the term's deadline.
+        Ok(_) if !ctx.term.is_active() => {
+            let _ = tx.rollback().await;
+            Err(SinkError::Cancelled)
         }
         Ok(_) => tx.commit().await.map_err(pg),
         Err(e) => Err(SinkError::Failed(e.to_string())),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use checkpoint::{CommitOutcome, FileStore, PostgresStore, ReadOutcome, RedisKeys, RedisStore, StoreError};
-use lease::{LocalBackend, RedisBackend};
+use lease::{LocalBackend, RedisBackend, Term};
 
 use crate::config::{Config, StoreKind};
 
@@ -76,12 +76,23 @@ impl Store {
         }
     }
 
-    /// Fenced, monotonic commit.
-    pub async fn commit(&self, fp: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
+    /// Fenced, monotonic commit. Redis and file stores fence on the term's whole lease
+    /// value; Postgres, which cannot see the lease, on the highest token.
+    pub async fn commit(&self, fp: &str, cursor: u64, term: &Term) -> Result<CommitOutcome, StoreError> {
         match self {
-            Self::Redis(s) => s.commit(fp, cursor, token).await,
-            Self::File(s) => s.commit(fp, cursor, token).await,
-            Self::Postgres(s) => s.commit(fp, cursor, token).await,
+            Self::Redis(s) => s.commit(fp, cursor, &term.holder()).await,
+            Self::File(s) => s.commit(fp, cursor, &term.holder()).await,
+            Self::Postgres(s) => s.commit(fp, cursor, term.token()).await,
+        }
+    }
+
+    /// Fenced rewind: may set a lower cursor (an accepted gap, or where a fresh
+    /// deployment started).
+    pub async fn reset(&self, fp: &str, cursor: u64, term: &Term) -> Result<CommitOutcome, StoreError> {
+        match self {
+            Self::Redis(s) => s.reset(fp, cursor, &term.holder()).await,
+            Self::File(s) => s.reset(fp, cursor, &term.holder()).await,
+            Self::Postgres(s) => s.reset(fp, cursor, term.token()).await,
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::{Result, anyhow};
 use checkpoint::{CommitOutcome, ReadOutcome, StoreError, Watermark};
 use lease::{LeaseHandle, StepDownError, Term};
-use relay_client::client::SwitchReason;
+use relay_client::client::{BadFramePolicy, SwitchReason};
 use relay_client::json::{FrameOptions, write_frame_with};
 use relay_client::{Frame, Item, Message, Notice, RelayRole, SubscribeError, Subscription};
 use serde::Serialize;
@@ -151,6 +151,9 @@ impl Pipeline {
             lanes.push(tx);
             tasks.push(tokio::spawn(lane(rx, sink.clone(), ctx.clone(), batch_max, done_tx.clone())));
         }
+        // Every lane holds at most `queue_depth` queued events plus the batch it is
+        // writing; the window also keeps finished events behind an unfinished one.
+        // Intake waits while the window is full, whatever fills it.
         let capacity = lanes_n * (cfg.queue_depth + batch_max);
         Self { lanes, tasks, done, watermark: Watermark::new(start, capacity), ctx, committed: start }
     }
@@ -167,6 +170,15 @@ impl Pipeline {
             self.watermark.complete(s);
         }
         metrics::gauge!("firekeeper_queue_depth").set(self.watermark.in_flight() as f64);
+        Ok(())
+    }
+
+    /// An event that needs no sink write (filtered out whole, or skipped under the
+    /// bad-frame policy): done at once, so the cursor moves past it once everything
+    /// before it is done.
+    fn pass(&mut self, seq: u64) -> Result<(), checkpoint::watermark::WatermarkError> {
+        self.watermark.deliver(seq)?;
+        self.watermark.complete(seq);
         Ok(())
     }
 
@@ -218,38 +230,73 @@ async fn lane(
     }
 }
 
-/// Retries `f` while the term is active; `None` when the term ended first.
+/// Why a wait inside a term ended early.
+enum Interrupted {
+    /// The term ended (lost, fenced, expired).
+    TermEnded,
+    /// SIGTERM/SIGINT: step down.
+    Shutdown,
+}
+
+/// Runs `f` until it finishes, the term ends, or shutdown is requested: no await in the
+/// work loop may outlive either.
+async fn guarded<T>(cx: &Ctx<'_>, term: &Term, f: impl Future<Output = T>) -> Result<T, Interrupted> {
+    tokio::select! {
+        biased;
+        () = term.ended() => Err(Interrupted::TermEnded),
+        () = cx.shutdown.cancelled() => Err(Interrupted::Shutdown),
+        v = f => Ok(v),
+    }
+}
+
+/// Retries `f` while the store is unavailable, logging what it waits for and the next
+/// delay; ends early when the term ends or shutdown is requested.
 async fn while_active<T>(
+    cx: &Ctx<'_>,
     term: &Term,
     what: &str,
     mut f: impl AsyncFnMut() -> Result<T, StoreError>,
-) -> Option<Result<T, StoreError>> {
+) -> Result<Result<T, StoreError>, Interrupted> {
     let mut delay = Duration::from_millis(200);
     loop {
         if !term.is_active() {
-            return None;
+            return Err(Interrupted::TermEnded);
         }
-        match f().await {
+        match guarded(cx, term, f()).await? {
             Err(StoreError::Unavailable(e)) => {
-                tracing::warn!(error = %e, what, "cursor store unavailable; not subscribing until it answers");
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = term.ended() => return None,
-                }
+                tracing::warn!(error = %e, what, retry_ms = delay.as_millis() as u64, "cursor store unavailable; not subscribing until it answers");
+                guarded(cx, term, tokio::time::sleep(delay)).await?;
                 delay = (delay * 2).min(Duration::from_secs(5));
             }
-            other => return Some(other),
+            other => return Ok(other),
         }
     }
 }
 
-async fn read_cursor(cx: &Ctx<'_>, term: &Term, role: RelayRole, fp: &str) -> Option<Result<Option<u64>, StoreError>> {
-    let r = while_active(term, "read cursor", || cx.store.read(fp)).await?;
+/// How reading a relay's cursor at term start can end without a value to use.
+enum CursorProblem {
+    /// Interrupted by the term or shutdown.
+    Interrupted(Interrupted),
+    /// A condition an operator must fix.
+    Fatal(anyhow::Error),
+}
+
+/// Where a relay's stream resumes. `at_term_start` applies the rule that a missing cursor
+/// is only a fresh start when no earlier term existed.
+async fn read_cursor(
+    cx: &Ctx<'_>,
+    term: &Term,
+    role: RelayRole,
+    fp: &str,
+    at_term_start: bool,
+) -> Result<Option<u64>, CursorProblem> {
+    let r = while_active(cx, term, "read cursor", || cx.store.read(fp)).await.map_err(CursorProblem::Interrupted)?;
+    let r = r.map_err(|e| CursorProblem::Fatal(anyhow!("reading the {role} cursor: {e}")))?;
     let remembered = cx.remembered.lock().ok().and_then(|m| m.get(fp).copied());
-    Some(r.map(|o| match (o, remembered) {
+    match (r, remembered) {
         (ReadOutcome::Found(c), _) => {
             tracing::info!(relay = role.as_str(), cursor = c, "resuming from stored cursor");
-            Some(c)
+            Ok(Some(c))
         }
         // A lower stored value may be an operator's rewind and is honoured; a missing one
         // after this process committed means the store lost data.
@@ -259,13 +306,29 @@ async fn read_cursor(cx: &Ctx<'_>, term: &Term, role: RelayRole, fp: &str) -> Op
                 committed_here = mine,
                 "the store lost this relay's cursor; resuming from the last commit this process saw"
             );
-            Some(mine)
+            Ok(Some(mine))
+        }
+        // Token 1 is the first term this lease store ever issued: a fresh deployment.
+        // A later token means some term ran before and (very likely) committed: the
+        // store lost the cursor, and starting from the live tail would skip everything
+        // in between without anyone deciding so.
+        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) if at_term_start && term.token() > 1 => {
+            Err(CursorProblem::Fatal(anyhow!(
+                "no stored cursor for the {role} relay ({fp}), but earlier terms existed (this term's token is {}): \
+                 the cursor store lost it. Refusing to start from the live tail. Set the cursor to resume after \
+                 with `firekeeper cursor set <seq>` (the live head to accept the gap), then restart",
+                term.token()
+            )))
         }
         (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) => {
-            tracing::warn!(relay = role.as_str(), "no stored cursor for this relay: starting from the live tail");
-            None
+            tracing::warn!(
+                relay = role.as_str(),
+                token = term.token(),
+                "no stored cursor for this relay: starting from the live tail"
+            );
+            Ok(None)
         }
-    }))
+    }
 }
 
 /// Commits the watermark if it moved. `Err` means fenced: the term is over.
@@ -286,7 +349,7 @@ async fn commit(cx: &Ctx<'_>, term: &Term, p: &mut Pipeline, final_: bool) -> Re
         return Ok(());
     }
     let span = tracing::info_span!("commit", cursor = c, token = p.ctx.token, relay = p.ctx.relay, final_);
-    let out = cx.store.commit(&p.ctx.fingerprint, c, p.ctx.token).instrument(span).await;
+    let out = cx.store.commit(&p.ctx.fingerprint, c, term).instrument(span).await;
     let label = match &out {
         Ok(CommitOutcome::Saved) => "saved",
         Ok(CommitOutcome::NotNewer { .. }) => "not_newer",
@@ -340,10 +403,11 @@ fn ctx_for(cfg: &Config, term: &Term, role: RelayRole) -> BatchCtx {
     }
 }
 
-/// Builds the sink event of a frame; `None` when the collection filter drops it whole.
-fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Option<Event> {
-    let frame = relay_client::decode(bytes).ok()?;
-    let Frame::Message(m) = &frame else { return None };
+/// Builds the sink event of a frame; `Ok(None)` when the collection filter drops it
+/// whole; `Err` when it cannot be rendered (the bad-frame policy decides).
+fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Result<Option<Event>, relay_client::DecodeError> {
+    let frame = relay_client::decode(bytes)?;
+    let Frame::Message(m) = &frame else { return Ok(None) };
     let keep = |op: &relay_client::frame::RepoOp<'_>| cfg.wants(op.collection());
     let opts = FrameOptions {
         verify_blocks: cfg.verify_blocks,
@@ -351,14 +415,14 @@ fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Option<Event> {
         lossy_records: true,
     };
     let mut body = String::with_capacity(bytes.len() * 2);
-    let written = write_frame_with(&frame, &opts, &mut body).ok()?;
+    let written = write_frame_with(&frame, &opts, &mut body)?;
     if written.record_errors > 0 {
         metrics::counter!("firekeeper_record_errors_total").increment(written.record_errors as u64);
         tracing::warn!(seq, errors = written.record_errors, "records that could not be decoded were written as null");
     }
     let is_commit = matches!(m, Message::Commit(_));
     if is_commit && written.ops == 0 && written.filtered > 0 {
-        return None;
+        return Ok(None);
     }
     let time = match m {
         Message::Commit(c) => Some(c.time),
@@ -378,7 +442,7 @@ fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Option<Event> {
         _ => "#other",
     };
     metrics::counter!("firekeeper_events_total", "type" => kind).increment(1);
-    Some(Event { seq, kind, did: m.did().map(str::to_owned), body })
+    Ok(Some(Event { seq, kind, did: m.did().map(str::to_owned), body }))
 }
 
 fn on_notice(cx: &Ctx<'_>, n: &Notice) {
@@ -395,8 +459,10 @@ fn on_notice(cx: &Ctx<'_>, n: &Notice) {
                 metrics::counter!("firekeeper_error_frames_total", "error" => error.clone()).increment(1);
             }
         }
-        Notice::BadFrame { error, .. } => {
-            metrics::counter!("firekeeper_bad_frames_total", "reason" => error.reason()).increment(1);
+        Notice::BadFrame { error, seq, .. } => {
+            let policy = if seq.is_some() { "skipped" } else { "unplaced" };
+            metrics::counter!("firekeeper_bad_frames_total", "reason" => error.reason(), "action" => policy)
+                .increment(1);
         }
         Notice::SeqBackwards { .. } => metrics::counter!("firekeeper_seq_backwards_total").increment(1),
         Notice::OutdatedCursor { .. } => metrics::counter!("firekeeper_outdated_cursor_total").increment(1),
@@ -410,6 +476,217 @@ pub async fn run_term(cx: &Ctx<'_>, term: Term) -> TermEnd {
     run_term_inner(cx, term).instrument(span).await
 }
 
+/// What the intake of one item decided.
+enum Step {
+    /// Go on reading.
+    Next,
+    /// Shutdown requested: step down.
+    Shutdown,
+    /// The term is over.
+    End(TermEnd),
+}
+
+impl From<Interrupted> for Step {
+    fn from(i: Interrupted) -> Self {
+        match i {
+            Interrupted::TermEnded => Self::End(TermEnd::Lost),
+            Interrupted::Shutdown => Self::Shutdown,
+        }
+    }
+}
+
+/// One term's moving parts.
+struct Leader<'a, 'c> {
+    cx: &'a Ctx<'c>,
+    term: Term,
+    role: RelayRole,
+    sub: Subscription,
+    p: Pipeline,
+    /// A relay went live after `FutureCursor` (the rejected cursor): the first live seq
+    /// rewinds the stored cursor, fenced, to just before it.
+    went_live: Option<Option<u64>>,
+    /// Started from the live tail with no stored cursor: the first seq is committed
+    /// (as "everything before it") at once, so a successor resumes from there.
+    fresh_start: bool,
+}
+
+impl Leader<'_, '_> {
+    /// Starts `role` from its stored cursor with a fresh pipeline.
+    async fn start(&mut self, role: RelayRole, at_term_start: bool) -> Result<(), Step> {
+        let fp = ctx_for(self.cx.cfg, &self.term, role).fingerprint;
+        let cursor = match read_cursor(self.cx, &self.term, role, &fp, at_term_start).await {
+            Ok(c) => c,
+            Err(CursorProblem::Interrupted(i)) => return Err(i.into()),
+            Err(CursorProblem::Fatal(e)) => return Err(Step::End(TermEnd::Fatal(e))),
+        };
+        self.role = role;
+        self.p.abort();
+        self.p = Pipeline::new(self.cx.cfg, &self.cx.sink, ctx_for(self.cx.cfg, &self.term, role), cursor);
+        self.fresh_start = cursor.is_none();
+        self.went_live = None;
+        self.sub.start(role, cursor);
+        self.cx.shared.update(|s| {
+            s.relay = Some(role.as_str());
+            s.fingerprint = Some(fp);
+            s.committed = cursor;
+        });
+        Ok(())
+    }
+
+    /// Drains what was delivered and commits it (final). `Err` when the term ended or
+    /// shutdown came first (the step-down path drains again, within its budget).
+    async fn settle(&mut self) -> Result<(), Step> {
+        match guarded(self.cx, &self.term, self.p.drain()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(Step::End(TermEnd::Lost)),
+            Err(i) => return Err(i.into()),
+        }
+        if commit(self.cx, &self.term, &mut self.p, true).await.is_err() {
+            return Err(Step::End(TermEnd::Lost));
+        }
+        Ok(())
+    }
+
+    /// Settles what was delivered, then ends the term with an operator-facing error.
+    async fn fatal(&mut self, e: anyhow::Error) -> Step {
+        tracing::error!(error = %e, "stopping: this needs an operator");
+        match self.settle().await {
+            Ok(()) | Err(Step::End(_) | Step::Next) => Step::End(TermEnd::Fatal(e)),
+            Err(Step::Shutdown) => Step::Shutdown,
+        }
+    }
+
+    /// A fenced rewind (or first commit) of the stored cursor to `cursor`, retried while
+    /// the store is unavailable.
+    async fn reset_cursor(&mut self, cursor: u64) -> Result<(), Step> {
+        let (cx, term) = (self.cx, &self.term);
+        let fp = self.p.ctx.fingerprint.clone();
+        let out = while_active(cx, term, "reset cursor", || cx.store.reset(&fp, cursor, term)).await?;
+        match out {
+            Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
+                if let Ok(mut m) = cx.remembered.lock() {
+                    m.insert(fp, cursor);
+                }
+                self.p.committed = Some(cursor);
+                cx.shared.update(|s| s.committed = Some(cursor));
+                Ok(())
+            }
+            Ok(CommitOutcome::Fenced { .. }) => Err(Step::End(TermEnd::Lost)),
+            Err(e) => Err(Step::End(TermEnd::Fatal(anyhow!("resetting the cursor to {cursor}: {e}")))),
+        }
+    }
+
+    /// Handles the first frame after going live or starting fresh.
+    async fn on_first_seq(&mut self, seq: u64) -> Result<(), Step> {
+        let before = seq.saturating_sub(1);
+        if let Some(rejected) = self.went_live.take() {
+            metrics::counter!("firekeeper_gaps_total", "reason" => "future_cursor").increment(1);
+            tracing::error!(
+                relay = self.role.as_str(),
+                rejected_cursor = ?rejected,
+                live_from = seq,
+                "accepted gap (FIREKEEPER_FUTURE_CURSOR=live): events after the rejected cursor that the relay no \
+                 longer numbers that way are skipped; the stored cursor is rewound to just before the first live seq"
+            );
+            self.reset_cursor(before).await?;
+        } else if self.fresh_start {
+            // Record where this deployment started, so the next leader resumes here
+            // instead of at a later live tail.
+            self.reset_cursor(before).await?;
+        }
+        self.fresh_start = false;
+        Ok(())
+    }
+
+    /// Hands one frame to the pipeline: waits for room in its lane (and the window, which
+    /// the caller checked), never skips a refused delivery.
+    async fn on_frame(&mut self, f: relay_client::OwnedFrame) -> Step {
+        if (self.fresh_start || self.went_live.is_some())
+            && let Err(s) = self.on_first_seq(f.seq).await
+        {
+            return s;
+        }
+        let ev = match to_event(self.cx.cfg, &f.bytes, f.seq) {
+            Ok(Some(ev)) => ev,
+            Ok(None) => return self.pass(f.seq),
+            Err(error) => match self.cx.cfg.client.bad_frame {
+                BadFramePolicy::Skip => {
+                    metrics::counter!("firekeeper_bad_frames_total", "reason" => error.reason(), "action" => "skipped")
+                        .increment(1);
+                    tracing::error!(seq = f.seq, %error, "event cannot be rendered; skipped (FIREKEEPER_BAD_FRAME=skip)");
+                    return self.pass(f.seq);
+                }
+                BadFramePolicy::Fail => {
+                    let e = anyhow!(
+                        "seq {} from the {} relay cannot be rendered ({error}); the cursor stays before it. Set \
+                         FIREKEEPER_BAD_FRAME=skip to skip such events, or `firekeeper cursor set {}` to step over it",
+                        f.seq,
+                        self.role,
+                        f.seq
+                    );
+                    return self.fatal(e).await;
+                }
+            },
+        };
+        let lane = self.p.lane_of(ev.did.as_deref());
+        let permit = match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
+            Ok(Ok(permit)) => permit,
+            Ok(Err(_)) => return Step::End(TermEnd::Lost),
+            Err(i) => return i.into(),
+        };
+        if let Err(e) = self.p.watermark.deliver(ev.seq) {
+            // Intake only reads while the window has room, and the client delivers in
+            // increasing seq order: this is a bug, and skipping would lose the event.
+            return Step::End(TermEnd::Fatal(anyhow!("internal: the watermark refused seq {}: {e}", ev.seq)));
+        }
+        permit.send(ev);
+        Step::Next
+    }
+
+    fn pass(&mut self, seq: u64) -> Step {
+        match self.p.pass(seq) {
+            Ok(()) => Step::Next,
+            Err(e) => Step::End(TermEnd::Fatal(anyhow!("internal: the watermark refused seq {seq}: {e}"))),
+        }
+    }
+
+    async fn on_item(&mut self, item: Result<Item, SubscribeError>) -> Step {
+        match item {
+            Ok(Item::Frame(f)) => self.on_frame(f).await,
+            Ok(Item::Notice(n)) => {
+                on_notice(self.cx, &n);
+                if let Notice::WentLive { rejected, .. } = n {
+                    // Live seqs may be lower than anything delivered so far: finish and
+                    // commit the old numbering, then start a fresh window.
+                    if let Err(s) = self.settle().await {
+                        return s;
+                    }
+                    let ctx = ctx_for(self.cx.cfg, &self.term, self.role);
+                    self.p.abort();
+                    self.p = Pipeline::new(self.cx.cfg, &self.cx.sink, ctx, None);
+                    self.went_live = Some(rejected);
+                }
+                Step::Next
+            }
+            Ok(Item::SwitchRelay { from, to, reason }) => {
+                let kind = if reason == SwitchReason::Failback { "failback" } else { "failover" };
+                metrics::counter!("firekeeper_relay_switches_total", "to" => to.as_str(), "kind" => kind).increment(1);
+                if let Err(s) = self.settle().await {
+                    return s;
+                }
+                tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?self.p.committed, "relay switch: committed the current relay first");
+                match self.start(to, false).await {
+                    Ok(()) => Step::Next,
+                    Err(s) => s,
+                }
+            }
+            Err(e @ SubscribeError::FutureCursor { .. }) => self.fatal(anyhow!("{e}; set FIREKEEPER_FUTURE_CURSOR=live to accept the gap, or fix the cursor with `firekeeper cursor set`")).await,
+            Err(e @ (SubscribeError::BadFrame { .. } | SubscribeError::FrameTooLarge { .. })) => self.fatal(anyhow!(e)).await,
+            Err(SubscribeError::Closed) => self.fatal(anyhow!("relay subscription closed unexpectedly")).await,
+        }
+    }
+}
+
 async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     let cfg = cx.cfg;
     let token = term.token();
@@ -418,112 +695,64 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
         s.token = Some(token);
     });
     metrics::gauge!("firekeeper_leader").set(1.0);
-    match while_active(&term, "on election", || cx.store.on_elected(cfg, token)).await {
-        None => return TermEnd::Lost,
-        Some(Err(e @ StoreError::LegacyAmbiguous { .. })) => return TermEnd::Fatal(anyhow!(e)),
-        Some(Err(e)) => return TermEnd::Fatal(anyhow!("cursor store refused the new term: {e}")),
-        Some(Ok(())) => {}
+    match while_active(cx, &term, "on election", || cx.store.on_elected(cfg, token)).await {
+        Err(Interrupted::TermEnded) => return TermEnd::Lost,
+        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+        Ok(Err(e @ StoreError::LegacyAmbiguous { .. })) => return TermEnd::Fatal(anyhow!(e)),
+        Ok(Err(e)) => return TermEnd::Fatal(anyhow!("cursor store refused the new term: {e}")),
+        Ok(Ok(())) => {}
     }
-    let mut role = RelayRole::Primary;
-    let fp = cfg.relay.fingerprint().to_owned();
-    let cursor = match read_cursor(cx, &term, role, &fp).await {
-        None => return TermEnd::Lost,
-        Some(Err(e)) => return TermEnd::Fatal(anyhow!("reading the cursor: {e}")),
-        Some(Ok(c)) => c,
-    };
-    let mut sub = Subscription::new(cfg.client.clone(), cfg.relay.clone(), cfg.relay_secondary.clone());
-    sub.start(role, cursor);
-    let mut p = Pipeline::new(cfg, &cx.sink, ctx_for(cfg, &term, role), cursor);
-    cx.shared.update(|s| {
-        s.relay = Some(role.as_str());
-        s.fingerprint = Some(fp.clone());
-        s.committed = cursor;
-    });
+    let sub = Subscription::new(cfg.client.clone(), cfg.relay.clone(), cfg.relay_secondary.clone());
+    let p = Pipeline::new(cfg, &cx.sink, ctx_for(cfg, &term, RelayRole::Primary), None);
+    let mut l = Leader { cx, term, role: RelayRole::Primary, sub, p, went_live: None, fresh_start: false };
+    match l.start(RelayRole::Primary, true).await {
+        Ok(()) => {}
+        Err(Step::End(end)) => return end,
+        Err(Step::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+        Err(Step::Next) => unreachable!("start never asks to go on"),
+    }
     let mut tick = tokio::time::interval(cfg.commit_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let cancel = term.cancellation();
+    let cancel = l.term.cancellation();
     loop {
-        let has_room = p.watermark.in_flight() < p.lanes.len() * cfg.queue_depth;
-        tokio::select! {
+        let has_room = l.p.watermark.has_room();
+        let step = tokio::select! {
             biased;
-            () = cancel.cancelled() => {
-                p.abort();
-                tracing::warn!(token, "term ended: intake stopped");
-                return TermEnd::Lost;
-            }
-            () = cx.shutdown.cancelled() => break,
-            Some(r) = p.done.recv() => {
-                if p.on_done(r).is_err() {
-                    p.abort();
-                    return TermEnd::Lost;
-                }
+            () = cancel.cancelled() => Step::End(TermEnd::Lost),
+            () = cx.shutdown.cancelled() => Step::Shutdown,
+            Some(r) = l.p.done.recv() => {
+                if l.p.on_done(r).is_err() { Step::End(TermEnd::Lost) } else { Step::Next }
             }
             _ = tick.tick() => {
-                if commit(cx, &term, &mut p, false).await.is_err() {
-                    p.abort();
-                    return TermEnd::Lost;
+                if commit(cx, &l.term, &mut l.p, false).await.is_err() {
+                    Step::End(TermEnd::Lost)
+                } else {
+                    let (delivered, in_flight) = (l.sub.cursor(), l.p.watermark.in_flight());
+                    let lag = delivered.zip(l.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
+                    metrics::gauge!("firekeeper_lag_seq").set(lag as f64);
+                    cx.shared.update(|s| { s.last_seq = delivered; s.in_flight = in_flight; });
+                    Step::Next
                 }
-                let (delivered, in_flight) = (sub.cursor(), p.watermark.in_flight());
-                let lag = delivered.zip(p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
-                metrics::gauge!("firekeeper_lag_seq").set(lag as f64);
-                cx.shared.update(|s| { s.last_seq = delivered; s.in_flight = in_flight; });
             }
-            item = sub.next(), if has_room => match item {
-                Ok(Item::Frame(f)) => {
-                    let Some(ev) = to_event(cfg, &f.bytes, f.seq) else {
-                        // Filtered out whole: done at once so the cursor moves past it.
-                        if p.watermark.deliver(f.seq).is_ok() { p.watermark.complete(f.seq); }
-                        continue;
-                    };
-                    if let Err(e) = p.watermark.deliver(ev.seq) {
-                        tracing::error!(error = %e, "watermark refused a delivery");
-                        continue;
-                    }
-                    let lane = p.lane_of(ev.did.as_deref());
-                    tokio::select! {
-                        r = p.lanes[lane].send(ev) => if r.is_err() { p.abort(); return TermEnd::Lost; },
-                        () = cancel.cancelled() => { p.abort(); return TermEnd::Lost; }
-                    }
+            item = l.sub.next(), if has_room => l.on_item(item).await,
+        };
+        match step {
+            Step::Next => {}
+            Step::Shutdown => break,
+            Step::End(end) => {
+                if matches!(end, TermEnd::Lost) {
+                    tracing::warn!(token, "term ended: intake stopped");
                 }
-                Ok(Item::Notice(n)) => on_notice(cx, &n),
-                Ok(Item::SwitchRelay { from, to, reason }) => {
-                    let kind = if reason == SwitchReason::Failback { "failback" } else { "failover" };
-                    metrics::counter!("firekeeper_relay_switches_total", "to" => to.as_str(), "kind" => kind).increment(1);
-                    let drained = tokio::select! {
-                        r = p.drain() => r.is_ok(),
-                        () = cancel.cancelled() => false,
-                    };
-                    if !drained || commit(cx, &term, &mut p, true).await.is_err() {
-                        p.abort();
-                        return TermEnd::Lost;
-                    }
-                    tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?p.committed, "relay switch: committed the current relay first");
-                    role = to;
-                    let fp = ctx_for(cfg, &term, role).fingerprint;
-                    let cursor = match read_cursor(cx, &term, role, &fp).await {
-                        None => return TermEnd::Lost,
-                        Some(Err(e)) => return TermEnd::Fatal(anyhow!("reading the {role} cursor: {e}")),
-                        Some(Ok(c)) => c,
-                    };
-                    p = Pipeline::new(cfg, &cx.sink, ctx_for(cfg, &term, role), cursor);
-                    sub.start(role, cursor);
-                    cx.shared.update(|s| { s.relay = Some(role.as_str()); s.fingerprint = Some(fp); s.committed = cursor; });
-                }
-                Err(e @ SubscribeError::FutureCursor { .. }) => {
-                    p.abort();
-                    return TermEnd::Fatal(anyhow!("{e}; set FIREKEEPER_FUTURE_CURSOR=live to accept the gap, or fix the cursor with `firekeeper cursor set`"));
-                }
-                Err(SubscribeError::Closed) => {
-                    p.abort();
-                    return TermEnd::Fatal(anyhow!("relay subscription closed unexpectedly"));
-                }
-            },
+                l.p.abort();
+                return end;
+            }
         }
     }
     // Voluntary step-down: keep renewing while the lanes drain, commit, then release.
     cx.shared.update(|s| s.role = "stepping-down");
-    tracing::info!(token, in_flight = p.watermark.in_flight(), "draining before release");
-    sub.close().await;
+    tracing::info!(token, in_flight = l.p.watermark.in_flight(), "draining before release");
+    l.sub.close().await;
+    let Leader { term, mut p, .. } = l;
     let drain = async {
         p.drain().await.map_err(|e| e.to_string())?;
         commit(cx, &term, &mut p, true).await.map_err(|()| "final commit fenced".to_owned())?;

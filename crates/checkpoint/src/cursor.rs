@@ -4,6 +4,15 @@
 /// Lua's doubles.
 pub const MAX_CURSOR: u64 = (1 << 53) - 1;
 
+/// The token of a lease holder value `<instance>:<token>`; a malformed value is a caller
+/// bug, reported as a protocol error rather than a guess.
+pub fn holder_token(holder: &str) -> Result<u64, StoreError> {
+    holder
+        .rsplit_once(':')
+        .and_then(|(_, t)| t.parse().ok())
+        .ok_or_else(|| StoreError::Protocol(format!("lease holder {holder:?} is not <instance>:<token>")))
+}
+
 /// What a read found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadOutcome {

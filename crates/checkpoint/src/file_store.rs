@@ -54,12 +54,22 @@ impl FileStore {
         self.read_sync(fingerprint)
     }
 
-    fn holder_token(&self) -> Result<Option<u64>, StoreError> {
+    fn holder(&self) -> Result<Option<String>, StoreError> {
         match std::fs::read_to_string(&self.lease_file) {
-            Ok(s) => Ok(s.trim().rsplit_once(':').and_then(|(_, t)| t.parse().ok())),
+            Ok(s) => Ok(Some(s.trim().to_owned())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io("reading", &self.lease_file, &e)),
         }
+    }
+
+    /// `Some(outcome)` when `holder` is not the lease file's whole value.
+    fn fenced(&self, holder: &str) -> Result<Option<CommitOutcome>, StoreError> {
+        let current = self.holder()?;
+        if current.as_deref() == Some(holder) {
+            return Ok(None);
+        }
+        let current = current.and_then(|h| h.rsplit_once(':').and_then(|(_, t)| t.parse().ok()));
+        Ok(Some(CommitOutcome::Fenced { current }))
     }
 
     fn replace(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
@@ -71,18 +81,29 @@ impl FileStore {
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing", &self.dir, &e))
     }
 
-    /// Commits `cursor` under lease token `token`.
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
+    /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
+    /// of the lease file).
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
         let _g = self.lock.lock().await;
-        let holder = self.holder_token()?;
-        if holder != Some(token) {
-            return Ok(CommitOutcome::Fenced { current: holder });
+        if let Some(out) = self.fenced(holder)? {
+            return Ok(out);
         }
         if let ReadOutcome::Found(stored) = self.read_sync(fingerprint)?
             && stored >= cursor
         {
             return Ok(CommitOutcome::NotNewer { stored });
+        }
+        self.replace(fingerprint, cursor)?;
+        Ok(CommitOutcome::Saved)
+    }
+
+    /// A fenced rewind: sets the cursor even if lower, as lease holder `holder`.
+    pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
+        let _g = self.lock.lock().await;
+        if let Some(out) = self.fenced(holder)? {
+            return Ok(out);
         }
         self.replace(fingerprint, cursor)?;
         Ok(CommitOutcome::Saved)

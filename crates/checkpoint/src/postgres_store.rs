@@ -146,6 +146,40 @@ impl PostgresStore {
         Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? })
     }
 
+    /// A fenced rewind under `token`: sets the cursor even if lower (an accepted
+    /// `FutureCursor` gap), inside the caller's transaction.
+    pub async fn reset_in(
+        tx: &impl GenericClient,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
+        if let Some(current) = fence(tx, token).await? {
+            return Ok(CommitOutcome::Fenced { current: Some(current) });
+        }
+        tx.execute(
+            "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
+             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()",
+            &[&fingerprint, &as_i64(cursor), &as_i64(token)],
+        )
+        .await
+        .map_err(|e| pg(&e))?;
+        Ok(CommitOutcome::Saved)
+    }
+
+    /// A fenced rewind in its own transaction.
+    pub async fn reset(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
+        let mut c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let out = Self::reset_in(&tx, fingerprint, cursor, token).await?;
+            tx.commit().await.map_err(|e| pg(&e))?;
+            Ok(out)
+        })
+        .await
+    }
+
     /// Operator override (`firekeeper cursor set`).
     pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;

@@ -62,17 +62,22 @@ local function gt(a, b)
 end
 ";
 
-// KEYS: lease, cursor, fence-seen. ARGV: token, cursor, commits channel, fingerprint.
+// KEYS: lease, cursor, fence-seen. ARGV: token, cursor, commits channel, fingerprint,
+// holder (the whole lease value), reset ('1': a fenced rewind, allowed to go lower).
+// The whole holder value must match, not only its token: a token number re-issued after
+// total data loss must not let a stale holder commit.
 const COMMIT: &str = r"
 local h = redis.call('GET', KEYS[1])
 local t = h and string.match(h, ':([0-9]+)$')
-if t ~= ARGV[1] then return {3, t or ''} end
+if h ~= ARGV[5] then return {3, t or ''} end
 local cur = redis.call('GET', KEYS[2])
-if valid(cur) and not gt(ARGV[2], cur) then return {2, cur} end
+if ARGV[6] ~= '1' and valid(cur) and not gt(ARGV[2], cur) then return {2, cur} end
 redis.call('SET', KEYS[2], ARGV[2])
 local seen = redis.call('GET', KEYS[3])
 if not valid(seen) or gt(ARGV[1], seen) then redis.call('SET', KEYS[3], ARGV[1]) end
-redis.call('PUBLISH', ARGV[3], ARGV[4] .. ' ' .. ARGV[2] .. ' ' .. ARGV[1])
+local msg = ARGV[4] .. ' ' .. ARGV[2] .. ' ' .. ARGV[1]
+if ARGV[6] == '1' then msg = msg .. ' reset' end
+redis.call('PUBLISH', ARGV[3], msg)
 return {1, ''}
 ";
 
@@ -139,9 +144,28 @@ impl RedisStore {
         Ok(out)
     }
 
-    /// Commits `cursor` for a relay under lease token `token`.
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
+    /// Commits `cursor` for a relay as lease holder `holder` (`<instance>:<token>`, the
+    /// whole lease value). Never moves the cursor backwards.
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        self.commit_inner(fingerprint, cursor, holder, false).await
+    }
+
+    /// A fenced rewind: sets the cursor to `cursor` even if it is lower, as lease holder
+    /// `holder`. For a relay whose sequence restarted (an accepted `FutureCursor` gap):
+    /// the monotonic commit would otherwise keep the rejected cursor forever.
+    pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        self.commit_inner(fingerprint, cursor, holder, true).await
+    }
+
+    async fn commit_inner(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        holder: &str,
+        reset: bool,
+    ) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
+        let token = cursor::holder_token(holder)?;
         let k = &self.keys;
         let key = k.cursor(fingerprint);
         let v: Value = self
@@ -155,6 +179,8 @@ impl RedisStore {
                     .arg(cursor)
                     .arg(&k.commits_channel)
                     .arg(fingerprint)
+                    .arg(holder)
+                    .arg(if reset { "1" } else { "0" })
                     .invoke_async(&mut c)
                     .await
             })
@@ -237,9 +263,20 @@ impl RedisStore {
     }
 }
 
-/// Follows the commits channel and calls `seen(fingerprint, cursor)` for every saved
-/// commit of any replica, reconnecting after errors, until the task is dropped.
-pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(&str, u64) + Send) {
+/// One saved commit as published on the commits channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published<'a> {
+    /// The relay fingerprint.
+    pub fingerprint: &'a str,
+    /// The cursor saved.
+    pub cursor: u64,
+    /// A fenced rewind ([`RedisStore::reset`]): replace, do not take the maximum.
+    pub reset: bool,
+}
+
+/// Follows the commits channel and calls `seen` for every saved commit of any replica,
+/// reconnecting after errors, until the task is dropped.
+pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(Published<'_>) + Send) {
     use futures_util::StreamExt;
     let Ok(client) = redis::Client::open(url) else { return };
     loop {
@@ -251,7 +288,8 @@ pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(&
                 let Ok(text) = m.get_payload::<String>() else { continue };
                 let mut it = text.split(' ');
                 if let (Some(fp), Some(c)) = (it.next(), it.next().and_then(|c| cursor::parse(c.as_bytes()))) {
-                    seen(fp, c);
+                    let reset = it.nth(1) == Some("reset");
+                    seen(Published { fingerprint: fp, cursor: c, reset });
                 }
             }
         }

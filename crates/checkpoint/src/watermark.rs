@@ -45,6 +45,14 @@ impl Watermark {
         }
     }
 
+    /// True when [`Watermark::deliver`] has room for one more event. The window counts
+    /// finished events still waiting behind an unfinished one, so this, not the number
+    /// in flight, is what intake must wait on.
+    #[must_use]
+    pub fn has_room(&self) -> bool {
+        self.window.len() < self.capacity
+    }
+
     /// Registers a delivered event.
     pub fn deliver(&mut self, seq: u64) -> Result<(), WatermarkError> {
         if self.window.len() >= self.capacity {
@@ -136,13 +144,18 @@ mod tests {
             for _ in 0..200 {
                 if rng.next().is_multiple_of(2) {
                     next += rng.next() % 4; // gaps are normal
+                    let room = w.has_room();
                     match w.deliver(next) {
                         Ok(()) => {
+                            assert!(room, "has_room said no, deliver said yes");
                             delivered.push(next);
                             pending.push(next);
                             next += 1;
                         }
-                        Err(WatermarkError::Full(c)) => assert_eq!(c, cap),
+                        Err(WatermarkError::Full(c)) => {
+                            assert_eq!(c, cap);
+                            assert!(!room, "has_room said yes, deliver said full");
+                        }
                         Err(e) => panic!("{e}"),
                     }
                 } else if !pending.is_empty() {

@@ -21,13 +21,22 @@ async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     let lease_file = dir.join("lease.lock");
     let s = FileStore::new(&dir.join("cursors"), &lease_file).expect("store");
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
-    assert_eq!(s.commit(FP, 5, 1).await, Ok(CommitOutcome::Fenced { current: None }), "no lease held");
+    assert_eq!(s.commit(FP, 5, "a:1").await, Ok(CommitOutcome::Fenced { current: None }), "no lease held");
     std::fs::write(&lease_file, "a:1").expect("lease");
-    assert_eq!(s.commit(FP, 5, 1).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 4, 1).await, Ok(CommitOutcome::NotNewer { stored: 5 }));
+    assert_eq!(s.commit(FP, 5, "a:1").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 4, "a:1").await, Ok(CommitOutcome::NotNewer { stored: 5 }));
     std::fs::write(&lease_file, "b:2").expect("lease");
-    assert_eq!(s.commit(FP, 9, 1).await, Ok(CommitOutcome::Fenced { current: Some(2) }), "stale token");
-    assert_eq!(s.commit(FP, 9, 2).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 9, "a:1").await, Ok(CommitOutcome::Fenced { current: Some(2) }), "stale token");
+    assert_eq!(
+        s.commit(FP, 9, "a:2").await,
+        Ok(CommitOutcome::Fenced { current: Some(2) }),
+        "the same token number under another instance is not the holder"
+    );
+    assert_eq!(s.commit(FP, 9, "b:2").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.reset(FP, 3, "a:2").await, Ok(CommitOutcome::Fenced { current: Some(2) }), "a rewind is fenced too");
+    assert_eq!(s.reset(FP, 3, "b:2").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)), "a fenced rewind may go lower");
+    assert_eq!(s.commit(FP, 9, "b:2").await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(9)));
     let names: Vec<_> =
         std::fs::read_dir(dir.join("cursors")).expect("dir").map(|e| e.expect("entry").file_name()).collect();
@@ -35,7 +44,7 @@ async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     std::fs::write(dir.join("cursors").join(format!("cursor-{FP}")), "12abc").expect("corrupt");
     assert!(matches!(s.read(FP).await, Ok(ReadOutcome::Corrupt(_))));
     assert_eq!(
-        s.commit(FP, checkpoint::MAX_CURSOR + 1, 2).await,
+        s.commit(FP, checkpoint::MAX_CURSOR + 1, "b:2").await,
         Err(StoreError::OutOfRange(checkpoint::MAX_CURSOR + 1))
     );
 }
@@ -55,6 +64,10 @@ async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_tra
     assert_eq!(s.claim(3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
     assert_eq!(s.commit(FP, 150, 4).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(150)));
+    assert_eq!(s.reset(FP, 40, 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }), "a rewind is fenced");
+    assert_eq!(s.reset(FP, 40, 4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(40)), "a fenced rewind may go lower");
+    assert_eq!(s.commit(FP, 150, 4).await, Ok(CommitOutcome::Saved));
 
     // Inside a caller's transaction with its own rows: a fenced commit means rollback,
     // and neither the rows nor the cursor land.

@@ -49,17 +49,17 @@ async fn stale_token_is_refused_while_the_new_leaders_commit_lands() {
     let s = store(&redis.url(), "fk");
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
     let (a, _ea, ta) = leader(&redis.url(), "fk", "a").await;
-    assert_eq!(s.commit(FP, 10, ta.token()).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 10, &ta.holder()).await, Ok(CommitOutcome::Saved));
     // a hands over; b is elected with a greater token.
     a.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(2)).await.expect("release");
     let (_b, _eb, tb) = leader(&redis.url(), "fk", "b").await;
     assert!(tb.token() > ta.token());
     assert_eq!(
-        s.commit(FP, 50, ta.token()).await,
+        s.commit(FP, 50, &ta.holder()).await,
         Ok(CommitOutcome::Fenced { current: Some(tb.token()) }),
         "old term refused"
     );
-    assert_eq!(s.commit(FP, 20, tb.token()).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 20, &tb.holder()).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(20)));
     // The highest token seen is kept beside the cursor.
     assert_eq!(get(&redis, "{fk}:fence-seen"), Some(tb.token().to_string()));
@@ -70,11 +70,11 @@ async fn commits_never_move_backwards_and_tokens_outlive_a_lost_fence_counter() 
     let redis = RedisServer::start();
     let s = store(&redis.url(), "m");
     let (h, _e, t) = leader(&redis.url(), "m", "a").await;
-    assert_eq!(s.commit(FP, 100, t.token()).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 99, t.token()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
-    assert_eq!(s.commit(FP, 100, t.token()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
+    assert_eq!(s.commit(FP, 100, &t.holder()).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 99, &t.holder()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
+    assert_eq!(s.commit(FP, 100, &t.holder()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     assert_eq!(
-        s.commit(FP, checkpoint::MAX_CURSOR + 1, t.token()).await,
+        s.commit(FP, checkpoint::MAX_CURSOR + 1, &t.holder()).await,
         Err(StoreError::OutOfRange(checkpoint::MAX_CURSOR + 1))
     );
     h.shutdown().await;
@@ -100,7 +100,7 @@ async fn corrupt_and_oversized_values_read_as_corrupt_and_are_overwritten_by_a_c
         }
     }
     set(&redis, "{c}:lease", b"x:3");
-    assert_eq!(s.commit(FP, 7, 3).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 7, "x:3").await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(7)));
 }
 
@@ -112,7 +112,7 @@ async fn unavailable_redis_fails_closed() {
     let t0 = std::time::Instant::now();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
     assert!(t0.elapsed() < Duration::from_secs(3), "bounded by the op timeout");
-    assert!(matches!(s.commit(FP, 1, 1).await, Err(StoreError::Unavailable(_))));
+    assert!(matches!(s.commit(FP, 1, "a:1").await, Err(StoreError::Unavailable(_))));
     redis.resume();
     redis.kill();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
@@ -130,7 +130,7 @@ async fn concurrent_committers_only_the_holder_lands_and_the_maximum_wins() {
         let s = s.clone();
         tasks.push(tokio::spawn(async move {
             let token = if i % 3 == 0 { 6 } else { 7 };
-            (token, i * 10, s.commit(FP, i * 10, token).await.expect("commit"))
+            (token, i * 10, s.commit(FP, i * 10, &format!("holder:{token}")).await.expect("commit"))
         }));
     }
     let mut max_saved = 0;
@@ -201,7 +201,7 @@ async fn a_server_answering_nonsense_is_a_protocol_error() {
         }
     });
     let s = RedisStore::new(&format!("redis://{addr}/"), RedisKeys::new("n", None), OP).expect("store");
-    let r = s.commit(FP, 1, 1).await;
+    let r = s.commit(FP, 1, "a:1").await;
     // Depending on where the nonsense bites (handshake or script reply) it is a protocol
     // or an I/O error: typed, and never a saved cursor.
     assert!(matches!(r, Err(StoreError::Protocol(_) | StoreError::Unavailable(_))), "{r:?}");
@@ -221,14 +221,14 @@ async fn saved_commits_are_published_for_standbys_to_shadow() {
     let follower = tokio::spawn(checkpoint::redis_store::follow_commits(
         redis.url(),
         s.keys().commits_channel.clone(),
-        move |fp, c| {
-            s2.lock().expect("seen").push((fp.to_owned(), c));
+        move |p: checkpoint::redis_store::Published<'_>| {
+            s2.lock().expect("seen").push((p.fingerprint.to_owned(), p.cursor, p.reset));
         },
     ));
     tokio::time::sleep(Duration::from_millis(300)).await; // subscribed
-    assert_eq!(s.commit(FP, 10, 3).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 5, 3).await, Ok(CommitOutcome::NotNewer { stored: 10 }));
-    assert_eq!(s.commit(FP, 20, 2).await, Ok(CommitOutcome::Fenced { current: Some(3) }));
+    assert_eq!(s.commit(FP, 10, "a:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 5, "a:3").await, Ok(CommitOutcome::NotNewer { stored: 10 }));
+    assert_eq!(s.commit(FP, 20, "a:2").await, Ok(CommitOutcome::Fenced { current: Some(3) }));
     timeout(Duration::from_secs(10), async {
         while seen.lock().expect("seen").is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -237,6 +237,37 @@ async fn saved_commits_are_published_for_standbys_to_shadow() {
     .await
     .expect("published");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(*seen.lock().expect("seen"), vec![(FP.to_owned(), 10)], "only saved commits are published");
+    assert_eq!(s.reset(FP, 4, "a:3").await, Ok(CommitOutcome::Saved), "a fenced rewind");
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(4)));
+    timeout(Duration::from_secs(10), async {
+        while seen.lock().expect("seen").len() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("published");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        *seen.lock().expect("seen"),
+        vec![(FP.to_owned(), 10, false), (FP.to_owned(), 4, true)],
+        "only saved commits are published, rewinds marked as such"
+    );
     follower.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_fences_on_the_whole_holder_value_not_only_the_token_number() {
+    let redis = RedisServer::start();
+    // The token number 5 was re-issued to another instance (possible after total data
+    // loss): the stale holder "old:5" must be refused although its number matches.
+    set(&redis, "{hv}:lease", b"new:5");
+    let s = store(&redis.url(), "hv");
+    assert_eq!(s.commit(FP, 10, "old:5").await, Ok(CommitOutcome::Fenced { current: Some(5) }));
+    assert_eq!(s.reset(FP, 10, "old:5").await, Ok(CommitOutcome::Fenced { current: Some(5) }));
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing), "nothing landed");
+    assert_eq!(s.commit(FP, 10, "new:5").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 3, "new:5").await, Ok(CommitOutcome::NotNewer { stored: 10 }));
+    assert_eq!(s.reset(FP, 3, "new:5").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)));
+    assert!(matches!(s.commit(FP, 4, "no-token").await, Err(StoreError::Protocol(_))));
 }

@@ -73,6 +73,13 @@ impl Term {
         &self.0.instance
     }
 
+    /// The lease value of this term, `<instance>:<token>`: stores that can see the lease
+    /// fence on the whole value, so a re-issued token number alone is not enough.
+    #[must_use]
+    pub fn holder(&self) -> String {
+        format!("{}:{}", self.0.instance, self.0.token)
+    }
+
     /// True while the term is not over and its deadline has not passed. Check it
     /// before every externally visible action.
     #[must_use]
