@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs what the integration tests start themselves (redis-server, the PostgreSQL
-# server binaries) when this machine lacks them. Tests never use a shared system
+# server binaries, libfaketime) when this machine lacks them. Tests never use a shared system
 # instance: each starts its own server on a free loopback port.
 set -euo pipefail
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
+# libfaketime: the wall-clock-jump test fakes CLOCK_REALTIME of one process.
+compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || need+=(libfaketime)
+# mkfifo (coreutils) is always there; the frozen-leader test writes its jsonl to a FIFO.
 
 if ((${#need[@]})); then
   echo "ensure-deps: installing ${need[*]}"

@@ -158,9 +158,9 @@ impl Sink {
     }
 
     async fn try_write(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), SinkError> {
-        if !ctx.term.is_active() {
-            return Err(SinkError::Cancelled);
-        }
+        // Each sink checks the term's deadline right before its externally visible
+        // action (after any wait for a lock, before a request or a COMMIT), so a process
+        // that froze or waited past its deadline writes nothing.
         match self {
             Self::Null => Ok(()),
             Self::Jsonl(w) => {
@@ -246,5 +246,152 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
         }
         Ok(_) => tx.commit().await.map_err(pg),
         Err(e) => Err(SinkError::Failed(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use lease::{BootClock, Clock, LeaseConfig, LeaseEvent, LocalBackend};
+
+    use super::*;
+
+    /// The boot clock, plus an offset the test moves: "the process was frozen".
+    #[derive(Default)]
+    struct JumpClock(AtomicU64);
+
+    impl Clock for JumpClock {
+        fn now(&self) -> Duration {
+            BootClock.now() + Duration::from_nanos(self.0.load(Ordering::SeqCst))
+        }
+    }
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("fk-sink-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("tmp");
+        d
+    }
+
+    async fn term_with(clock: Arc<JumpClock>, dir: &std::path::Path) -> (lease::LeaseHandle, BatchCtx) {
+        let backend = Arc::new(LocalBackend::new(&dir.join("lease.lock")));
+        let (h, mut ev) =
+            lease::spawn_as(backend, LeaseConfig::from_ttl(Duration::from_secs(10)), clock, "t").expect("cfg");
+        let Some(LeaseEvent::Elected(term)) = ev.recv().await else { panic!("not elected") };
+        let ctx = BatchCtx {
+            token: term.token(),
+            relay: "primary",
+            fingerprint: "fp".into(),
+            cancel: term.cancellation(),
+            term,
+        };
+        (h, ctx)
+    }
+
+    fn event(seq: u64) -> Event {
+        Event { seq, kind: "#commit", did: None, body: "{}".into() }
+    }
+
+    async fn jsonl(path: &std::path::Path) -> Sink {
+        let f = tokio::fs::File::create(path).await.expect("create");
+        Sink::Jsonl(Mutex::new(BufWriter::new(Box::new(f))))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_that_waited_for_the_jsonl_lock_past_the_deadline_writes_nothing() {
+        let dir = tmp("lock");
+        let clock = Arc::new(JumpClock::default());
+        let (h, ctx) = term_with(clock.clone(), &dir).await;
+        let out = dir.join("out.jsonl");
+        let sink = Arc::new(jsonl(&out).await);
+        // Another lane holds the file lock.
+        let Sink::Jsonl(m) = &*sink else { unreachable!() };
+        let guard = m.lock().await;
+        let (s, c) = (sink.clone(), ctx.clone());
+        let write = tokio::spawn(async move { s.try_write(&[event(1), event(2)], &c).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!write.is_finished(), "the write passed its first check and waits for the lock");
+        // The deadline passes while it waits (the supervisor has not run yet).
+        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        assert!(!ctx.term.is_active());
+        drop(guard);
+        let r = write.await.expect("join");
+        assert!(matches!(r, Err(SinkError::Cancelled)), "{r:?}");
+        assert_eq!(std::fs::read(&out).expect("read").len(), 0, "nothing written after the deadline");
+        h.abandon().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_webhook_request_is_sent_after_the_deadline() {
+        let dir = tmp("hook");
+        let clock = Arc::new(JumpClock::default());
+        let (h, ctx) = term_with(clock.clone(), &dir).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/", listener.local_addr().expect("addr"));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let a = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((_s, _)) = listener.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let sink = Sink::Webhook { client: reqwest::Client::new(), url };
+        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        assert!(matches!(sink.try_write(&[event(1)], &ctx).await, Err(SinkError::Cancelled)));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 0, "no request was sent");
+        h.abandon().await;
+    }
+
+    /// The review's locked table: the batch's INSERT waits on a lock past the deadline;
+    /// the store's fence alone would accept it (no newer term claimed yet).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_postgres_batch_that_waited_on_a_lock_past_the_deadline_is_rolled_back() {
+        let pg = testkit::PgServer::start();
+        let dir = tmp("pg");
+        let clock = Arc::new(JumpClock::default());
+        let (h, ctx) = term_with(clock.clone(), &dir).await;
+        let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+        tokio::spawn(conn);
+        client.batch_execute(checkpoint::postgres_store::MIGRATION).await.expect("schema");
+        client.batch_execute(include_str!("../../../migrations/0002_events.sql")).await.expect("schema");
+        let sink = Arc::new(Sink::Postgres(Mutex::new(client)));
+        let (mut locker, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+        tokio::spawn(conn);
+        let tx = locker.transaction().await.expect("tx");
+        tx.batch_execute("LOCK TABLE firekeeper_events IN ACCESS EXCLUSIVE MODE").await.expect("lock");
+        let (s, c) = (sink.clone(), ctx.clone());
+        let write = tokio::spawn(async move { s.try_write(&[event(1), event(2)], &c).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!write.is_finished(), "the INSERT waits for the lock");
+        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        tx.rollback().await.expect("unlock");
+        let r = write.await.expect("join");
+        assert!(matches!(r, Err(SinkError::Cancelled)), "{r:?}");
+        let Sink::Postgres(c) = &*sink else { unreachable!() };
+        let c = c.lock().await;
+        let n: i64 = c.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
+        let cursors: i64 = c.query_one("SELECT count(*) FROM firekeeper_cursors", &[]).await.expect("count").get(0);
+        assert_eq!((n, cursors), (0, 0), "neither rows nor cursor landed");
+        h.abandon().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_sink_write_starts_after_the_deadline() {
+        let dir = tmp("start");
+        let clock = Arc::new(JumpClock::default());
+        let (h, ctx) = term_with(clock.clone(), &dir).await;
+        let out = dir.join("out.jsonl");
+        let sink = jsonl(&out).await;
+        sink.try_write(&[event(1)], &ctx).await.expect("written while active");
+        let written = std::fs::read(&out).expect("read").len();
+        assert!(written > 0);
+        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        assert!(matches!(sink.try_write(&[event(2)], &ctx).await, Err(SinkError::Cancelled)));
+        assert_eq!(std::fs::read(&out).expect("read").len(), written);
+        h.abandon().await;
     }
 }

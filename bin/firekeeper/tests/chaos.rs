@@ -212,3 +212,75 @@ async fn relay_garbage_and_error_frames_lose_nothing() {
     c.wait_complete().await;
     assert_eq!(c.check(), 0, "reconnects resume after the last delivered seq");
 }
+
+/// Waits until `c` has a leader other than `not`; returns it and how long that took.
+async fn handover_from(c: &Cluster, not: usize) -> (usize, u64, Duration) {
+    let t0 = std::time::Instant::now();
+    let (l, t) = c.wait_leader(Some(not)).await;
+    (l, t, t0.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_on_the_leaders_redis_link_above_the_op_timeout_hands_over() {
+    let (c, l, t) = started("slower", Spec { copies: 2, ..Spec::default() }).await;
+    progress(&c, 300).await;
+    c.proxies[l].set_latency(Duration::from_millis(400)); // op timeout 250 ms
+    let (l2, t2, took) = handover_from(&c, l).await;
+    eprintln!("latency 400 ms > op timeout: handover after {took:?}");
+    assert!(t2 > t && l2 != l);
+    c.proxies[l].set_latency(Duration::ZERO);
+    c.wait_complete().await;
+    c.check();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_on_the_leaders_redis_link_lose_nothing() {
+    let (c, l, _) = started("lost-replies", Spec { copies: 2, ..Spec::default() }).await;
+    progress(&c, 300).await;
+    // Renewals and commits are applied, their answers never arrive.
+    c.proxies[l].set_flow(testkit::Flow::DropReplies);
+    let deadline = std::time::Instant::now() + support::WAIT;
+    while c.replicas[l].status().await.is_some_and(|s| s["role"] == "leader") {
+        assert!(std::time::Instant::now() < deadline, "the leader never noticed its replies were lost");
+        sleep(Duration::from_millis(20)).await;
+    }
+    c.proxies[l].set_flow(testkit::Flow::Pass);
+    c.wait_leader(None).await;
+    c.wait_complete().await;
+    c.check();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_redis_link_to_the_leader_hands_over_at_its_deadline() {
+    let (c, l, t) = started("half-open", Spec { copies: 2, ..Spec::default() }).await;
+    progress(&c, 300).await;
+    // No reset, no answer: every open connection just stops.
+    c.proxies[l].set_flow(testkit::Flow::Blackhole);
+    let (l2, t2, took) = handover_from(&c, l).await;
+    eprintln!("half-open link: handover after {took:?}");
+    assert!(t2 > t && l2 != l);
+    let s = c.replicas[l].status().await.expect("status");
+    assert_ne!(s["role"], "leader", "the cut-off leader stopped");
+    c.proxies[l].set_flow(testkit::Flow::Pass);
+    c.wait_complete().await;
+    c.check();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_redis_is_down_exits_within_the_budget_and_loses_nothing() {
+    let (mut c, l, t) = started("term-down", Spec { copies: 2, ..Spec::default() }).await;
+    progress(&c, 300).await;
+    c.redis.pause();
+    let t0 = std::time::Instant::now();
+    let clean = c.replicas[l].sigterm().await;
+    let took = t0.elapsed();
+    eprintln!("SIGTERM with Redis down: exit after {took:?} (clean: {clean})");
+    assert!(!clean, "a step-down that could not commit or release is not clean");
+    assert!(took < Duration::from_secs(8), "bounded by the drain budget (5 s), took {took:?}");
+    c.redis.resume();
+    let (_, t2) = c.wait_leader(Some(l)).await;
+    assert!(t2 > t);
+    c.replicas[l].start();
+    c.wait_complete().await;
+    c.check();
+}

@@ -2,65 +2,21 @@
 //! and `PostgreSQL`, and a webhook receiver that fails sometimes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod support;
 
-use relay_sim::{RelaySim, SimConfig, capture};
-use support::{fixture, http_get, tmpdir};
+use relay_sim::capture;
+use support::{
+    WAIT, base_env, firekeeper, fixture, http_get, run_once, sigterm_and_wait, sim, tmpdir, wait_exit, wait_until,
+};
 use testkit::{PgServer, RedisServer, free_port};
 use tokio::io::AsyncWriteExt;
 
-const WAIT: Duration = Duration::from_mins(1);
 const TOTAL: u64 = 1476;
-
-async fn sim(rate: Option<u32>) -> RelaySim {
-    let cfg = SimConfig { rate, initial_head: rate.map(|_| 0), ..SimConfig::default() };
-    RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
-}
-
-fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
-    [
-        ("FIREKEEPER_RELAY", relay.to_owned()),
-        ("FIREKEEPER_DATA_DIR", dir.join("data").to_string_lossy().into_owned()),
-        ("FIREKEEPER_HTTP_ADDR", "off".to_owned()),
-        ("FIREKEEPER_LEASE_TTL_MS", "2000".to_owned()),
-        ("FIREKEEPER_LEASE_RENEW_MS", "400".to_owned()),
-        ("FIREKEEPER_LEASE_OP_TIMEOUT_MS", "250".to_owned()),
-        ("FIREKEEPER_LEASE_MARGIN_MS", "500".to_owned()),
-        ("FIREKEEPER_LEASE_POLL_MS", "200".to_owned()),
-        ("FIREKEEPER_COMMIT_INTERVAL_MS", "100".to_owned()),
-        ("RUST_LOG", "info".to_owned()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect()
-}
-
-fn firekeeper(env: &HashMap<String, String>, args: &[&str], log: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log"))
-        .spawn()
-        .expect("firekeeper binary")
-}
-
-fn run_once(env: &HashMap<String, String>, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env)
-        .output()
-        .expect("firekeeper binary")
-}
 
 /// seq → how many lines carry it, over all the given jsonl files.
 fn seqs_in(files: &[PathBuf]) -> BTreeMap<u64, usize> {
@@ -74,19 +30,6 @@ fn seqs_in(files: &[PathBuf]) -> BTreeMap<u64, usize> {
         }
     }
     m
-}
-
-async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn sigterm_and_wait(c: Child) -> std::process::ExitStatus {
-    assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
-    wait_exit(c)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,17 +311,6 @@ async fn black_hole() -> String {
     url
 }
 
-fn wait_exit(mut c: Child) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(s) = c.try_wait().expect("wait") {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "firekeeper did not exit in time");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_over_budget_exits_1_and_a_second_signal_forces_exit() {
     let url = black_hole().await;
@@ -389,6 +321,10 @@ async fn a_drain_over_budget_exits_1_and_a_second_signal_forces_exit() {
     env.insert("FIREKEEPER_WEBHOOK_URL".into(), url);
     env.insert("FIREKEEPER_WEBHOOK_TIMEOUT_MS".into(), "60000".into());
     env.insert("FIREKEEPER_DRAIN_BUDGET_MS".into(), "1000".into());
+    // A lane holding one event: intake is blocked on a full lane when the signal comes,
+    // and that wait must end on shutdown too.
+    env.insert("FIREKEEPER_QUEUE_DEPTH".into(), "1".into());
+    env.insert("FIREKEEPER_LANES".into(), "1".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     // One signal: the drain cannot finish, the budget runs out, exit 1, nothing committed.
     let c = firekeeper(&env, &[], &dir.join("stuck.log"));

@@ -146,11 +146,25 @@ impl Drop for RedisServer {
     }
 }
 
+/// How a [`TcpProxy`] treats the bytes of open connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Flow {
+    /// Forward both ways.
+    Pass = 0,
+    /// Forward nothing either way and keep every connection open, as a peer whose host
+    /// vanished without a reset (half-open TCP, a partition with no RST).
+    Blackhole = 1,
+    /// Forward requests, drop replies: commands are applied and their answers lost.
+    DropReplies = 2,
+}
+
 /// A TCP proxy on a free loopback port in front of `target`.
 pub struct TcpProxy {
     addr: SocketAddr,
     cut: Arc<AtomicBool>,
     latency_ms: Arc<AtomicU64>,
+    flow: Arc<AtomicU64>,
     generation: watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -162,8 +176,9 @@ impl TcpProxy {
         let addr = listener.local_addr().expect("addr");
         let cut = Arc::new(AtomicBool::new(false));
         let latency_ms = Arc::new(AtomicU64::new(0));
+        let flow = Arc::new(AtomicU64::new(Flow::Pass as u64));
         let generation = watch::Sender::new(0u64);
-        let (c, l, g) = (cut.clone(), latency_ms.clone(), generation.clone());
+        let (c, l, g, fl) = (cut.clone(), latency_ms.clone(), generation.clone(), flow.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
@@ -173,15 +188,15 @@ impl TcpProxy {
                     drop(inbound);
                     continue;
                 }
-                let (l, mut gen_rx) = (l.clone(), g.subscribe());
+                let (l, fl, mut gen_rx) = (l.clone(), fl.clone(), g.subscribe());
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(target).await else {
                         return;
                     };
                     let (mut ri, mut wi) = inbound.into_split();
                     let (mut ro, mut wo) = outbound.into_split();
-                    let up = pump(&mut ri, &mut wo, l.clone());
-                    let down = pump(&mut ro, &mut wi, l);
+                    let up = pump(&mut ri, &mut wo, l.clone(), fl.clone(), false);
+                    let down = pump(&mut ro, &mut wi, l, fl, true);
                     tokio::select! {
                         () = async { tokio::join!(up, down); } => {}
                         _ = gen_rx.changed() => {}
@@ -189,7 +204,7 @@ impl TcpProxy {
                 });
             }
         });
-        Self { addr, cut, latency_ms, generation, task }
+        Self { addr, cut, latency_ms, flow, generation, task }
     }
 
     /// The address clients should use.
@@ -212,6 +227,11 @@ impl TcpProxy {
         }
     }
 
+    /// Sets how bytes of open (and new) connections flow.
+    pub fn set_flow(&self, flow: Flow) {
+        self.flow.store(flow as u64, Ordering::SeqCst);
+    }
+
     /// Delays every chunk in both directions by this much.
     pub fn set_latency(&self, d: Duration) {
         self.latency_ms.store(d.as_millis() as u64, Ordering::SeqCst);
@@ -225,7 +245,13 @@ impl Drop for TcpProxy {
     }
 }
 
-async fn pump(r: &mut (impl AsyncReadExt + Unpin), w: &mut (impl AsyncWriteExt + Unpin), latency: Arc<AtomicU64>) {
+async fn pump(
+    r: &mut (impl AsyncReadExt + Unpin),
+    w: &mut (impl AsyncWriteExt + Unpin),
+    latency: Arc<AtomicU64>,
+    flow: Arc<AtomicU64>,
+    reply: bool,
+) {
     let mut buf = vec![0u8; 16 << 10];
     loop {
         let n = match r.read(&mut buf).await {
@@ -235,6 +261,10 @@ async fn pump(r: &mut (impl AsyncReadExt + Unpin), w: &mut (impl AsyncWriteExt +
         let ms = latency.load(Ordering::SeqCst);
         if ms > 0 {
             tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        let f = flow.load(Ordering::SeqCst);
+        if f == Flow::Blackhole as u64 || (reply && f == Flow::DropReplies as u64) {
+            continue;
         }
         if w.write_all(&buf[..n]).await.is_err() {
             return;

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,6 +19,82 @@ pub const WAIT: Duration = Duration::from_secs(90);
 pub fn fixture() -> Vec<bytes::Bytes> {
     capture::read(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames"))
         .expect("fixture")
+}
+
+/// A relay-sim replaying the fixture: all published at once (`None`) or paced.
+pub async fn sim(rate: Option<u32>) -> RelaySim {
+    let cfg = SimConfig { rate, initial_head: rate.map(|_| 0), ..SimConfig::default() };
+    RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
+}
+
+/// The environment of a single firekeeper with fast lease timings.
+pub fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
+    [
+        ("FIREKEEPER_RELAY", relay.to_owned()),
+        ("FIREKEEPER_DATA_DIR", dir.join("data").to_string_lossy().into_owned()),
+        ("FIREKEEPER_HTTP_ADDR", "off".to_owned()),
+        ("FIREKEEPER_LEASE_TTL_MS", "2000".to_owned()),
+        ("FIREKEEPER_LEASE_RENEW_MS", "400".to_owned()),
+        ("FIREKEEPER_LEASE_OP_TIMEOUT_MS", "250".to_owned()),
+        ("FIREKEEPER_LEASE_MARGIN_MS", "500".to_owned()),
+        ("FIREKEEPER_LEASE_POLL_MS", "200".to_owned()),
+        ("FIREKEEPER_COMMIT_INTERVAL_MS", "100".to_owned()),
+        ("RUST_LOG", "info".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+/// Starts the binary with `env` only, stderr to `log`.
+pub fn firekeeper(env: &HashMap<String, String>, args: &[&str], log: &Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("firekeeper binary")
+}
+
+/// Runs a subcommand to completion.
+pub fn run_once(env: &HashMap<String, String>, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env)
+        .output()
+        .expect("firekeeper binary")
+}
+
+/// Waits for `f`, failing after [`WAIT`].
+pub async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// SIGTERM, then [`wait_exit`].
+pub fn sigterm_and_wait(c: Child) -> std::process::ExitStatus {
+    assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
+    wait_exit(c)
+}
+
+/// Waits for the process to exit, failing after [`WAIT`].
+pub fn wait_exit(mut c: Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(s) = c.try_wait().expect("wait") {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "firekeeper did not exit in time");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 pub fn tmpdir(name: &str) -> PathBuf {
