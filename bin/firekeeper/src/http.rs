@@ -68,7 +68,7 @@ fn respond(method: &str, path: &str, shared: &Shared, prom: &PrometheusHandle) -
         }
         "/metrics" => ("200 OK", "text/plain; version=0.0.4", prom.render()),
         "/status" => {
-            let s = shared.status.lock().map(|s| s.clone()).unwrap_or_default();
+            let s = shared.snapshot();
             ("200 OK", "application/json", serde_json::to_string(&s).unwrap_or_default() + "\n")
         }
         _ => ("404 Not Found", "text/plain", "not found\n".into()),

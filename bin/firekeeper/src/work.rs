@@ -23,7 +23,8 @@ use crate::stores::Store;
 /// What `/status` shows.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct StatusSnapshot {
-    /// `standby`, `leader`, `stepping-down` or `stopped`.
+    /// `standby`, `leader`, `stepping-down`, `expired` (the term's deadline passed and the
+    /// loss is not yet announced: nothing is done meanwhile) or `stopped`.
     pub role: &'static str,
     /// This process.
     pub instance: String,
@@ -52,9 +53,31 @@ pub struct Shared {
     pub status: std::sync::Mutex<StatusSnapshot>,
     /// `/readyz`.
     pub ready: AtomicBool,
+    /// The current term while leading, so `/status` never says `leader` past the term's
+    /// deadline (a process that just woke from a freeze has stopped acting before its
+    /// supervisor announced the loss).
+    pub term: std::sync::Mutex<Option<Term>>,
 }
 
 impl Shared {
+    /// The status as of now: `leader` or `stepping-down` only while the term is active,
+    /// else `expired`.
+    #[must_use]
+    pub fn snapshot(&self) -> StatusSnapshot {
+        let mut s = self.status.lock().map(|s| s.clone()).unwrap_or_default();
+        let active = self.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
+        if matches!(s.role, "leader" | "stepping-down") && !active {
+            s.role = "expired";
+        }
+        s
+    }
+
+    fn set_term(&self, t: Option<Term>) {
+        if let Ok(mut g) = self.term.lock() {
+            *g = t;
+        }
+    }
+
     /// Updates the status under its lock.
     pub fn update(&self, f: impl FnOnce(&mut StatusSnapshot)) {
         if let Ok(mut s) = self.status.lock() {
@@ -473,7 +496,11 @@ fn on_notice(cx: &Ctx<'_>, n: &Notice) {
 /// Runs one term until it is lost, shut down, or hits a fatal condition.
 pub async fn run_term(cx: &Ctx<'_>, term: Term) -> TermEnd {
     let span = tracing::info_span!("term", token = term.token(), epoch = term.epoch());
-    run_term_inner(cx, term).instrument(span).await
+    cx.shared.set_term(Some(term.clone()));
+    let end = run_term_inner(cx, term).instrument(span).await;
+    // The supervisor waits for every clone of a lost term to drop before contending.
+    cx.shared.set_term(None);
+    end
 }
 
 /// What the intake of one item decided.
@@ -755,11 +782,16 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     let Leader { term, mut p, .. } = l;
     let drain = async {
         p.drain().await.map_err(|e| e.to_string())?;
-        commit(cx, &term, &mut p, true).await.map_err(|()| "final commit fenced".to_owned())?;
-        if p.committed != p.watermark.committable() {
-            return Err("final commit did not land".to_owned());
+        // A store that is briefly away does not make the step-down unclean: retry the
+        // final commit while the term lasts (the drain budget bounds it too).
+        loop {
+            commit(cx, &term, &mut p, true).await.map_err(|()| "final commit fenced or the term ended".to_owned())?;
+            if p.committed == p.watermark.committable() {
+                return Ok::<(), String>(());
+            }
+            tracing::warn!(cursor = ?p.watermark.committable(), retry_ms = 100, "final commit did not land yet; retrying while the term lasts");
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Ok::<(), String>(())
     };
     let r = cx.lease.step_down_with(drain, cfg.drain_budget).await;
     p.abort();

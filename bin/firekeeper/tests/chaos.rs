@@ -284,3 +284,22 @@ async fn sigterm_while_redis_is_down_exits_within_the_budget_and_loses_nothing()
     c.wait_complete().await;
     c.check();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_redis_outage_during_sigterm_still_hands_over_cleanly() {
+    let (mut c, l, _) = started("term-blip", Spec { copies: 2, ..Spec::default() }).await;
+    progress(&c, 300).await;
+    c.redis.pause();
+    let resume = {
+        let pid = c.redis.pid();
+        tokio::spawn(async move {
+            sleep(Duration::from_millis(400)).await; // well inside the 1.5 s window
+            let _ = std::process::Command::new("kill").args(["-CONT", &pid.to_string()]).status();
+        })
+    };
+    assert!(c.replicas[l].sigterm().await, "the final commit is retried until Redis answers: exit 0");
+    resume.await.expect("resume");
+    c.wait_leader(Some(l)).await;
+    c.wait_complete().await;
+    assert_eq!(c.check(), 0, "a clean handover duplicates nothing");
+}

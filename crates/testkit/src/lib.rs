@@ -114,6 +114,12 @@ impl RedisServer {
         }
     }
 
+    /// The process id (0 when not running), to signal it from another task.
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     /// SIGSTOP: the server keeps its sockets but answers nothing.
     pub fn pause(&self) {
         self.signal("-STOP");

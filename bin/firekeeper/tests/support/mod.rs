@@ -272,13 +272,41 @@ pub struct Cluster {
     pub dir: PathBuf,
     pub total: u64,
     pub cursor_history: Arc<Mutex<Vec<u64>>>,
+    /// Moments two replicas both said `leader` (with different tokens).
+    pub overlaps: Arc<Mutex<Vec<String>>>,
     watcher: tokio::task::JoinHandle<()>,
+    roles: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
         self.watcher.abort();
+        self.roles.abort();
     }
+}
+
+/// Samples every replica's `/status` every 20 ms and records any sample in which two
+/// say `leader` under different tokens. The lease leaves `margin` between one term's
+/// deadline and the earliest moment another can start, so even a sample that spans a
+/// few milliseconds never sees a legitimate handover as an overlap.
+fn watch_roles(addrs: Vec<String>, overlaps: Arc<Mutex<Vec<String>>>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let mut leaders = Vec::new();
+            for (i, a) in addrs.iter().enumerate() {
+                if let Some((200, body)) = http_get(a, "/status").await
+                    && let Ok(v) = serde_json::from_str::<serde_json::Value>(&body)
+                    && v["role"] == "leader"
+                {
+                    leaders.push((i, v["token"].as_u64().unwrap_or(0)));
+                }
+            }
+            if leaders.len() > 1 && leaders.windows(2).any(|w| w[0].1 != w[1].1) {
+                overlaps.lock().expect("overlaps").push(format!("{leaders:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
 }
 
 impl Cluster {
@@ -358,7 +386,9 @@ impl Cluster {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         });
-        Self { redis, relay, relay2, proxies, replicas, dir, total, cursor_history: history, watcher }
+        let overlaps = Arc::new(Mutex::new(Vec::new()));
+        let roles = watch_roles(replicas.iter().map(|r| r.http.clone()).collect(), overlaps.clone());
+        Self { redis, relay, relay2, proxies, replicas, dir, total, cursor_history: history, overlaps, watcher, roles }
     }
 
     pub fn start_all(&mut self) {
@@ -437,6 +467,8 @@ impl Cluster {
 
     /// The oracle. Returns the number of duplicated seqs (allowed only after crashes).
     pub fn check(&self) -> usize {
+        let overlaps = self.overlaps.lock().expect("overlaps").clone();
+        assert!(overlaps.is_empty(), "two replicas led at once (replica, token): {overlaps:?}");
         let seen = self.seen();
         let missing: Vec<u64> = (1..=self.total).filter(|s| !seen.contains_key(s)).take(10).collect();
         assert!(missing.is_empty(), "seqs missing: {missing:?}");
