@@ -33,6 +33,10 @@ pub enum Acquire {
     Held {
         /// Their `<instance>:<token>`.
         holder: String,
+        /// How long their key has left, where the store can tell: the holder cannot lead
+        /// past that, so a standby does not start a term before it even if the store
+        /// loses the key (a restart without persistence, a lagging replica promoted).
+        expires_in: Option<Duration>,
     },
 }
 

@@ -45,7 +45,7 @@ impl Keys {
 // FLUSHALL) can never reissue an old token while any replica remembers one.
 const ACQUIRE: &str = r"
 local holder = redis.call('GET', KEYS[1])
-if holder then return {0, holder} end
+if holder then return {0, holder .. ' ' .. redis.call('PTTL', KEYS[1])} end
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local seen = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
 local token = math.max(fence, seen, tonumber(ARGV[3]) or 0) + 1
@@ -56,8 +56,10 @@ return {1, t}
 ";
 
 // KEYS: lease, fence. ARGV: '<instance>:<token>', ttl ms, token.
-// A vanished key is retaken when no term began since: the counter still equals our
-// token, or the counter is gone too (Redis lost its data; acquire always sets it).
+// A vanished key is retaken when no term began since: the counter is at or below our
+// token (equal: the key expired or was deleted; below: this store lost writes, e.g. a
+// lagging replica was promoted), or gone (Redis lost its data; acquire always sets it).
+// The counter is raised to our token, so this store never issues it again.
 const RENEW: &str = r"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
@@ -66,7 +68,8 @@ if v == ARGV[1] then
 end
 if not v then
   local f = redis.call('GET', KEYS[2])
-  if f == ARGV[3] or not f then
+  local fn = tonumber(f or '')
+  if not f or (fn and fn <= tonumber(ARGV[3])) then
     redis.call('SET', KEYS[2], ARGV[3])
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
     return {2, ''}
@@ -207,7 +210,13 @@ impl Backend for RedisBackend {
             .await?;
         match pair(&v)? {
             (1, t) => Ok(Acquire::Acquired { token: parse_u64(&t, "token")? }),
-            (0, holder) => Ok(Acquire::Held { holder }),
+            (0, held) => {
+                // `<holder> <pttl ms>`; the holder never contains a space (instance ids
+                // are validated), and a pttl below zero means no expiry is known.
+                let (holder, pttl) = held.rsplit_once(' ').unwrap_or((held.as_str(), "-1"));
+                let expires_in = pttl.parse::<u64>().ok().map(Duration::from_millis);
+                Ok(Acquire::Held { holder: holder.to_owned(), expires_in })
+            }
             other => Err(protocol(format!("acquire answered {other:?}"))),
         }
     }

@@ -348,6 +348,7 @@ pub fn spawn_as<B: Backend>(
         rng: seed | 1,
         stopping: false,
         seen: 0,
+        not_before: None,
     };
     let task = tokio::spawn(sup.run());
     Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, task }, ev_rx))
@@ -368,6 +369,10 @@ struct Supervisor<B> {
     stopping: bool,
     /// The highest token this process has held or seen another holder with.
     seen: u64,
+    /// The latest key expiry observed on another holder (clock time): that holder may
+    /// lead until then, so no term starts before it, even if the store loses the key.
+    /// Cleared by a release, which the holder sends only after it stopped.
+    not_before: Option<Duration>,
 }
 
 enum LeadEnd {
@@ -479,7 +484,13 @@ impl<B: Backend> Supervisor<B> {
                 n.enable();
             }
             let sent = self.clock.now();
-            let r = self.call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen)).await;
+            let r = if self.not_before.is_some_and(|nb| sent < nb) {
+                // A holder seen earlier may still be leading although the store no longer
+                // shows it: look, do not take.
+                self.observe().await
+            } else {
+                self.call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen)).await
+            };
             // A shutdown that arrived while the acquire was in flight wins, and whatever
             // was just acquired is released.
             while let Ok(c) = self.cmds.try_recv() {
@@ -494,9 +505,13 @@ impl<B: Backend> Supervisor<B> {
                     }
                     return Some(self.new_term(token, sent));
                 }
-                Ok(Acquire::Held { holder }) => {
+                Ok(Acquire::Held { holder, expires_in }) => {
                     warned = false;
                     self.see(&holder);
+                    if let Some(d) = expires_in {
+                        let at = self.clock.now() + d;
+                        self.not_before = Some(self.not_before.map_or(at, |nb| nb.max(at)));
+                    }
                 }
                 Err(e) => {
                     if !warned {
@@ -505,14 +520,37 @@ impl<B: Backend> Supervisor<B> {
                     }
                 }
             }
-            let poll = self.jittered_poll();
+            let mut poll = self.jittered_poll();
+            if let Some(nb) = self.not_before {
+                // Wake right when the observed expiry passes.
+                poll = poll.min(nb.saturating_sub(self.clock.now()).max(Duration::from_millis(1)));
+            }
             tokio::select! {
                 () = sleep(poll) => {}
-                () = async { match notified.as_mut().as_pin_mut() { Some(n) => n.await, None => std::future::pending().await } } => {}
+                () = async { match notified.as_mut().as_pin_mut() { Some(n) => n.await, None => std::future::pending().await } } => {
+                    self.not_before = None;
+                }
                 c = self.cmds.recv() => match c {
                     Some(c) => self.standby_command(c),
                     None => self.stopping = true,
                 },
+            }
+        }
+    }
+
+    /// A read-only look at the store while an observed holder may still lead: a holder
+    /// still there extends the wait; none means waiting out the observed expiry.
+    async fn observe(&mut self) -> Result<Acquire, BackendError> {
+        let snap = self.call(self.backend.snapshot()).await?;
+        match snap.holder {
+            Some(holder) => Ok(Acquire::Held { holder, expires_in: snap.ttl }),
+            None => {
+                tracing::warn!(
+                    wait_ms = self.not_before.map_or(0, |nb| nb.saturating_sub(self.clock.now()).as_millis() as u64),
+                    "the lease key vanished before the holder last seen could have expired; waiting out its ttl"
+                );
+                self.seen = self.seen.max(snap.fence);
+                Ok(Acquire::Held { holder: String::new(), expires_in: None })
             }
         }
     }

@@ -363,3 +363,60 @@ async fn sigterm_steps_down_cleanly_and_the_standby_leads() {
     a.wait_for(|l| l.starts_with("stepped down Ok")).await;
     b.wait_for(|l| l == "elected 2").await;
 }
+
+/// The store loses the key (a restart without persistence, a lagging replica promoted)
+/// while its holder is frozen: a standby that saw the key's remaining ttl does not start
+/// a term before that ttl ran out, since the holder may still be leading until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_waits_out_the_ttl_it_observed_when_the_store_loses_the_key() {
+    let redis = RedisServer::start();
+    let a = Probe::start(&redis.url(), "lost-key", 2000, "a");
+    a.wait_for(|l| l == "write ok 1").await;
+    let b = Probe::start(&redis.url(), "lost-key", 2000, "b");
+    sleep(Duration::from_millis(500)).await; // b has polled and seen a's key
+    a.signal("-STOP");
+    let mut admin = redis.admin();
+    let pttl: i64 = redis::cmd("PTTL").arg("{lost-key}:lease").query(&mut admin).expect("pttl");
+    assert!(pttl > 500, "a renewed recently: {pttl} ms left");
+    let _: () = redis::cmd("DEL").arg("{lost-key}:lease").query(&mut admin).expect("del");
+    let deleted = Instant::now();
+    b.wait_for(|l| l.starts_with("elected")).await;
+    let waited = deleted.elapsed();
+    eprintln!("key lost with {pttl} ms left; standby elected after {waited:?}");
+    assert!(
+        waited + Duration::from_millis(100) >= Duration::from_millis(u64::try_from(pttl).unwrap_or(0)),
+        "elected {waited:?} after the key vanished, though a could lead for {pttl} ms more"
+    );
+    a.signal("-CONT");
+}
+
+/// A lagging replica promoted after this term began: the key is gone and the counter is
+/// *below* our token. No term with our token or above was issued by this store, so the
+/// holder retakes and raises the counter: the store cannot issue our token again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counter_behind_our_token_is_retaken_and_raised_so_the_token_is_never_reissued() {
+    use lease::backend::{Acquire, Renew};
+    let redis = RedisServer::start();
+    let b = RedisBackend::new(&redis.url(), "behind", Duration::from_millis(500)).expect("backend");
+    b.seed_fence(10).await.expect("seed");
+    let Acquire::Acquired { token } = b.acquire("a", Duration::from_secs(5), 0).await.expect("acquire") else {
+        panic!("not acquired")
+    };
+    assert_eq!(token, 11);
+    let mut admin = redis.admin();
+    let _: () = redis::cmd("DEL").arg("{behind}:lease").query(&mut admin).expect("del");
+    let _: () = redis::cmd("SET").arg("{behind}:fence").arg(3).query(&mut admin).expect("lagging counter");
+    assert_eq!(b.renew("a", 11, Duration::from_secs(5)).await.expect("renew"), Renew::Retaken);
+    let fence: u64 = redis::cmd("GET").arg("{behind}:fence").query(&mut admin).expect("get");
+    assert_eq!(fence, 11, "the counter was raised to our token");
+    // A fresh process with no memory of token 11 cannot be issued it.
+    let _: () = redis::cmd("DEL").arg("{behind}:lease").query(&mut admin).expect("del");
+    let Acquire::Acquired { token } = b.acquire("fresh", Duration::from_secs(5), 0).await.expect("acquire") else {
+        panic!("not acquired")
+    };
+    assert_eq!(token, 12);
+    // A counter above our token still means a newer term: lost.
+    assert!(matches!(b.renew("a", 11, Duration::from_secs(5)).await.expect("renew"), Renew::TakenBy { .. }));
+    let _: () = redis::cmd("DEL").arg("{behind}:lease").query(&mut admin).expect("del");
+    assert_eq!(b.renew("a", 11, Duration::from_secs(5)).await.expect("renew"), Renew::Fenced { fence: Some(12) });
+}

@@ -81,7 +81,7 @@ impl Backend for Mock {
         sleep(delay).await;
         self.gate().await?;
         if let Some(h) = self.holder() {
-            return Ok(Acquire::Held { holder: h });
+            return Ok(Acquire::Held { holder: h, expires_in: None });
         }
         let mut s = self.s.lock().unwrap();
         s.fence = s.fence.max(floor) + 1;

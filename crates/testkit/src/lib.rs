@@ -171,6 +171,7 @@ pub struct TcpProxy {
     cut: Arc<AtomicBool>,
     latency_ms: Arc<AtomicU64>,
     flow: Arc<AtomicU64>,
+    target: Arc<std::sync::Mutex<SocketAddr>>,
     generation: watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -184,7 +185,8 @@ impl TcpProxy {
         let latency_ms = Arc::new(AtomicU64::new(0));
         let flow = Arc::new(AtomicU64::new(Flow::Pass as u64));
         let generation = watch::Sender::new(0u64);
-        let (c, l, g, fl) = (cut.clone(), latency_ms.clone(), generation.clone(), flow.clone());
+        let target = Arc::new(std::sync::Mutex::new(target));
+        let (c, l, g, fl, tg) = (cut.clone(), latency_ms.clone(), generation.clone(), flow.clone(), target.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((inbound, _)) = listener.accept().await else {
@@ -195,6 +197,7 @@ impl TcpProxy {
                     continue;
                 }
                 let (l, fl, mut gen_rx) = (l.clone(), fl.clone(), g.subscribe());
+                let target = *tg.lock().expect("target");
                 tokio::spawn(async move {
                     let Ok(outbound) = TcpStream::connect(target).await else {
                         return;
@@ -210,7 +213,7 @@ impl TcpProxy {
                 });
             }
         });
-        Self { addr, cut, latency_ms, flow, generation, task }
+        Self { addr, cut, latency_ms, flow, target, generation, task }
     }
 
     /// The address clients should use.
@@ -231,6 +234,13 @@ impl TcpProxy {
         if cut {
             self.generation.send_modify(|g| *g += 1);
         }
+    }
+
+    /// Sends new connections to `target` and drops the open ones (a failover of the
+    /// server behind a stable address).
+    pub fn set_target(&self, target: SocketAddr) {
+        *self.target.lock().expect("target") = target;
+        self.generation.send_modify(|g| *g += 1);
     }
 
     /// Sets how bytes of open (and new) connections flow.
