@@ -3,12 +3,13 @@
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
 #   make bench   decode benchmark (criterion) and figures through the real binary
 #   make chaos   the fault suite at scale 4 (make test runs it at scale 1)
+#   make soak    30 minutes of random faults under the chaos oracle (make test runs 20 s)
 #   make lint    clippy, pedantic, as warnings
 
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: build run test bench chaos lint deps fmt
+.PHONY: build run test bench chaos soak lint deps fmt
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -32,6 +33,9 @@ bench: deps
 
 chaos: deps
 	FIREKEEPER_CHAOS_SCALE=4 $(CARGO) nextest run -p firekeeper --test chaos --no-fail-fast
+
+soak: deps
+	FIREKEEPER_SOAK_SECS=$${FIREKEEPER_SOAK_SECS:-1800} $(CARGO) nextest run -p firekeeper --test chaos --no-capture -E 'test(soak)'
 
 lint:
 	$(CARGO) clippy --workspace --all-targets
