@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p relay-sim -p firekeeper
-capture=${CAPTURE:-../shared/fixtures/pds-capture.frames}
+capture=${CAPTURE:-fixtures/pds-capture.frames}
 ./target/release/relay-sim --capture "$capture" --listen 127.0.0.1:2470 --initial 0 --rate "${RATE:-200}" &
 sim=$!
 trap 'kill $sim 2>/dev/null || true' EXIT

@@ -4,14 +4,13 @@
 #![allow(missing_docs)] // criterion_group! generates an undocumented fn
 
 use std::hint::black_box;
-use std::path::PathBuf;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use relay_client::frame::{self, Frame, Message};
 use relay_client::json;
 
 fn load() -> Vec<Vec<u8>> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames");
+    let path = testkit::fixture("pds-capture.frames");
     relay_sim::capture::read(&path).expect("fixture").into_iter().map(|b| b.to_vec()).collect()
 }
 

@@ -1,7 +1,5 @@
 //! Every class of bad input gives a typed error and never a panic.
 
-use std::path::PathBuf;
-
 use relay_client::car;
 use relay_client::cbor::Writer;
 use relay_client::error::{CborError, CidError, DecodeError};
@@ -245,7 +243,7 @@ impl Rng {
 }
 
 fn fixture_frames() -> Vec<Vec<u8>> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames");
+    let p = testkit::fixture("pds-capture.frames");
     relay_sim::capture::read(&p).expect("fixture").into_iter().map(|b| b.to_vec()).collect()
 }
 

@@ -1,6 +1,5 @@
 //! The subscription against a real local relay (relay-sim) with faults injected.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,7 +13,7 @@ use relay_sim::{RelaySim, SimConfig, capture};
 const DEADLINE: Duration = Duration::from_secs(20);
 
 fn fixture() -> Vec<Bytes> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames");
+    let p = testkit::fixture("pds-capture.frames");
     capture::read(&p).expect("fixture")
 }
 

@@ -5,14 +5,14 @@ use std::path::PathBuf;
 use relay_client::frame::{self, Frame, Message};
 use relay_client::json;
 
-fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures")
+fn fixtures() -> PathBuf {
+    testkit::fixture("")
 }
 
 #[test]
 fn capture_matches_reference_decoding_line_for_line() {
-    let frames = relay_sim::capture::read(&shared().join("pds-capture.frames")).expect("fixture frames");
-    let expected = std::fs::read_to_string(shared().join("pds-capture.expected.jsonl")).expect("fixture jsonl");
+    let frames = relay_sim::capture::read(&fixtures().join("pds-capture.frames")).expect("fixture frames");
+    let expected = std::fs::read_to_string(fixtures().join("pds-capture.expected.jsonl")).expect("fixture jsonl");
     let expected: Vec<&str> = expected.lines().collect();
     assert_eq!(frames.len(), 1476);
     assert_eq!(frames.len(), expected.len());

@@ -23,6 +23,13 @@ pub fn free_port() -> u16 {
     StdListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// A file in the repository's `fixtures/` folder (the real PDS capture and its
+/// reference decoding): the repository alone is enough to run every test.
+#[must_use]
+pub fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+}
+
 /// A `redis-server` child process owned by one test.
 pub struct RedisServer {
     port: u16,

@@ -17,8 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub const WAIT: Duration = Duration::from_secs(90);
 
 pub fn fixture() -> Vec<bytes::Bytes> {
-    capture::read(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/pds-capture.frames"))
-        .expect("fixture")
+    capture::read(&testkit::fixture("pds-capture.frames")).expect("fixture")
 }
 
 /// A relay-sim replaying the fixture: all published at once (`None`) or paced.
