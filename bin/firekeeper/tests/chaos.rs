@@ -239,11 +239,13 @@ async fn lost_replies_on_the_leaders_redis_link_lose_nothing() {
     progress(&c, 300).await;
     // Renewals and commits are applied, their answers never arrive.
     c.proxies[l].set_flow(testkit::Flow::DropReplies);
+    let t0 = std::time::Instant::now();
     let deadline = std::time::Instant::now() + support::WAIT;
     while c.replicas[l].status().await.is_some_and(|s| s["role"] == "leader") {
         assert!(std::time::Instant::now() < deadline, "the leader never noticed its replies were lost");
         sleep(Duration::from_millis(20)).await;
     }
+    eprintln!("lost replies: the leader stopped after {:?}", t0.elapsed());
     c.proxies[l].set_flow(testkit::Flow::Pass);
     c.wait_leader(None).await;
     c.wait_complete().await;
