@@ -206,7 +206,11 @@ fn signals(token: CancellationToken) {
 
 async fn run(cfg: Config) -> Result<()> {
     let prom = telemetry::metrics()?;
+    telemetry::register_all();
     let shared = Arc::new(Shared::default());
+    if !cfg.log_json {
+        tokio::spawn(telemetry::summary_lines(shared.clone(), std::time::Duration::from_secs(5)));
+    }
     let stop_http = CancellationToken::new();
     if let Some(addr) = cfg.http_addr {
         let listener =

@@ -145,6 +145,18 @@ pub fn rfc3339_seconds(s: &str) -> Option<f64> {
     Some((days * 86_400 + hh * 3600 + mm * 60 + ss) as f64 + frac)
 }
 
+/// Lag of the newest delivered event, in ms, for `/status` and the summary line.
+static LAST_LAG_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+/// Events handed to the sink by this process, for the summary line.
+pub static EVENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The age of the newest delivered event, if any was delivered.
+#[must_use]
+pub fn last_lag_seconds() -> Option<f64> {
+    let ms = LAST_LAG_MS.load(std::sync::atomic::Ordering::Relaxed);
+    (ms != u64::MAX).then(|| ms as f64 / 1000.0)
+}
+
 fn now_seconds() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
@@ -456,7 +468,9 @@ fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Result<Option<Event>, relay
     };
     if let Some(lag) = time.and_then(rfc3339_seconds).map(|t| now_seconds() - t) {
         metrics::gauge!("firekeeper_lag_seconds").set(lag);
+        LAST_LAG_MS.store((lag.max(0.0) * 1000.0) as u64, std::sync::atomic::Ordering::Relaxed);
     }
+    EVENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let kind = match m {
         Message::Commit(_) => "#commit",
         Message::Sync(_) => "#sync",
@@ -552,6 +566,7 @@ impl Leader<'_, '_> {
         self.fresh_start = cursor.is_none();
         self.went_live = None;
         self.sub.start(role, cursor);
+        metrics::gauge!("firekeeper_relay_on_secondary").set(if role == RelayRole::Secondary { 1.0 } else { 0.0 });
         self.cx.shared.update(|s| {
             s.relay = Some(role.as_str());
             s.fingerprint = Some(fp);
@@ -757,7 +772,7 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
                     let (delivered, in_flight) = (l.sub.cursor(), l.p.watermark.in_flight());
                     let lag = delivered.zip(l.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
                     metrics::gauge!("firekeeper_lag_seq").set(lag as f64);
-                    cx.shared.update(|s| { s.last_seq = delivered; s.in_flight = in_flight; });
+                    cx.shared.update(|s| { s.last_seq = delivered; s.in_flight = in_flight; s.lag_seconds = last_lag_seconds(); });
                     Step::Next
                 }
             }

@@ -19,32 +19,13 @@ use support::{
     WAIT, base_env, firekeeper, fixture, http_get, run_once, sigterm_and_wait, sim, tmpdir, wait_exit, wait_until,
 };
 use testkit::{RedisServer, free_port};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 const TOTAL: u64 = 1476;
 
 /// One HTTP request: its request line and body. `None` when the peer closed first.
 async fn read_http(s: &mut tokio::net::TcpStream) -> Option<(String, Vec<u8>)> {
-    let mut buf = Vec::new();
-    let mut chunk = vec![0u8; 1 << 16];
-    loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..i]).into_owned();
-            let len: usize = head
-                .to_lowercase()
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
-                .unwrap_or(0);
-            if buf.len() >= i + 4 + len {
-                let line = head.lines().next().unwrap_or_default().to_owned();
-                return Some((line, buf[i + 4..i + 4 + len].to_vec()));
-            }
-        }
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(k) => buf.extend_from_slice(&chunk[..k]),
-        }
-    }
+    support::read_request_with_line(s, &mut Vec::new()).await
 }
 
 async fn answer(s: &mut tokio::net::TcpStream, status: &str, extra: &str) {

@@ -104,10 +104,25 @@ impl PostgresStore {
 
     /// Commits `cursor` under `token` in its own transaction.
     pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
+        self.own_tx(fingerprint, cursor, token, false).await
+    }
+
+    /// [`Self::commit_in`] or [`Self::reset_in`] in a transaction of its own.
+    async fn own_tx(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+        reset: bool,
+    ) -> Result<CommitOutcome, StoreError> {
         let mut c = self.client.lock().await;
         within(self.op_timeout, async {
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
-            let out = Self::commit_in(&tx, fingerprint, cursor, token).await?;
+            let out = if reset {
+                Self::reset_in(&tx, fingerprint, cursor, token).await?
+            } else {
+                Self::commit_in(&tx, fingerprint, cursor, token).await?
+            };
             tx.commit().await.map_err(|e| pg(&e))?;
             Ok(out)
         })
@@ -170,14 +185,7 @@ impl PostgresStore {
 
     /// A fenced rewind in its own transaction.
     pub async fn reset(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
-        let mut c = self.client.lock().await;
-        within(self.op_timeout, async {
-            let tx = c.transaction().await.map_err(|e| pg(&e))?;
-            let out = Self::reset_in(&tx, fingerprint, cursor, token).await?;
-            tx.commit().await.map_err(|e| pg(&e))?;
-            Ok(out)
-        })
-        .await
+        self.own_tx(fingerprint, cursor, token, true).await
     }
 
     /// Operator override (`firekeeper cursor set`).

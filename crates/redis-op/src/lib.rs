@@ -26,6 +26,8 @@ pub enum OpError {
 /// A lazily (re)connected multiplexed connection.
 pub struct Conn {
     client: redis::Client,
+    /// `host:port` (never the URL: it may carry a password), for error messages.
+    addr: String,
     op_timeout: Duration,
     conn: Mutex<Option<MultiplexedConnection>>,
 }
@@ -36,17 +38,36 @@ impl std::fmt::Debug for Conn {
     }
 }
 
-/// Describes a redis error without the URL (which may hold a password).
+/// Describes a redis error without the URL (which may hold a password): the server's
+/// error code, or what happened to the connection.
 #[must_use]
 pub fn describe(e: &redis::RedisError) -> String {
-    e.code().map_or_else(|| format!("{:?}", e.kind()), |c| format!("{c}: {}", e.detail().unwrap_or_default()))
+    if let Some(c) = e.code() {
+        return format!("{c}: {}", e.detail().unwrap_or_default());
+    }
+    let what = if e.is_connection_refusal() {
+        "connection refused"
+    } else if e.is_timeout() {
+        "timed out"
+    } else if e.is_connection_dropped() {
+        "connection dropped"
+    } else if e.is_io_error() {
+        "i/o error"
+    } else {
+        return format!("{:?}{}", e.kind(), e.detail().map(|d| format!(": {d}")).unwrap_or_default());
+    };
+    match e.detail() {
+        Some(d) => format!("{what} ({d})"),
+        None => what.to_owned(),
+    }
 }
 
 impl Conn {
     /// A connection to `url`; nothing is opened until the first call.
     pub fn open(url: &str, op_timeout: Duration) -> Result<Self, OpError> {
         let client = redis::Client::open(url).map_err(|e| OpError::Unavailable(describe(&e)))?;
-        Ok(Self { client, op_timeout, conn: Mutex::new(None) })
+        let addr = client.get_connection_info().addr().to_string();
+        Ok(Self { client, addr, op_timeout, conn: Mutex::new(None) })
     }
 
     /// The underlying client (for pub/sub, which needs its own connection).
@@ -76,16 +97,15 @@ impl Conn {
                     let cfg = AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(self.op_timeout))
                         .set_response_timeout(Some(self.op_timeout));
-                    let c = self
-                        .client
-                        .get_multiplexed_async_connection_with_config(&cfg)
-                        .await
-                        .map_err(|e| OpError::Unavailable(describe(&e)))?;
+                    let c =
+                        self.client.get_multiplexed_async_connection_with_config(&cfg).await.map_err(|e| {
+                            OpError::Unavailable(format!("connecting to {}: {}", self.addr, describe(&e)))
+                        })?;
                     *guard = Some(c.clone());
                     c
                 }
             };
-            f(conn).await.map_err(|e| OpError::Unavailable(describe(&e)))
+            f(conn).await.map_err(|e| OpError::Unavailable(format!("{}: {}", self.addr, describe(&e))))
         };
         let r = match tokio::time::timeout(self.op_timeout, attempt).await {
             Ok(r) => r,

@@ -116,19 +116,26 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
 /// Reads one HTTP request from `s` and returns its body; bytes of a following request
 /// stay in `pending`. `None` when the peer closed. For the test webhook receivers.
 pub async fn read_request(s: &mut tokio::net::TcpStream, pending: &mut Vec<u8>) -> Option<Vec<u8>> {
+    read_request_with_line(s, pending).await.map(|(_, body)| body)
+}
+
+/// [`read_request`], also returning the request line (`POST /hook HTTP/1.1`).
+pub async fn read_request_with_line(s: &mut tokio::net::TcpStream, pending: &mut Vec<u8>) -> Option<(String, Vec<u8>)> {
     let mut chunk = vec![0u8; 1 << 16];
     loop {
         if let Some(i) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&pending[..i]).to_lowercase();
+            let head = String::from_utf8_lossy(&pending[..i]).into_owned();
             let len: usize = head
+                .to_lowercase()
                 .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
+                .find_map(|l| l.strip_prefix("content-length:").map(str::to_owned))
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0);
             if pending.len() >= i + 4 + len {
+                let line = head.lines().next().unwrap_or_default().to_owned();
                 let body = pending[i + 4..i + 4 + len].to_vec();
                 pending.drain(..i + 4 + len);
-                return Some(body);
+                return Some((line, body));
             }
         }
         match s.read(&mut chunk).await {

@@ -1,0 +1,209 @@
+//! What an operator sees: OTLP spans that really arrive, dashboard and alert rules that
+//! use only metrics `/metrics` exposes, errors that name their cause, the human summary
+//! line, and `/status` with its lag.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use prost::Message as _;
+use support::{WAIT, base_env, firekeeper, http_get, run_once, sigterm_and_wait, sim, tmpdir, wait_until};
+use testkit::free_port;
+use tokio::io::AsyncWriteExt;
+
+const TOTAL: u64 = 1476;
+
+/// Every `firekeeper_*` name in a text.
+fn metric_names(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("firekeeper_") {
+        let tail = &rest[i..];
+        let end =
+            tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
+        out.insert(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
+}
+
+async fn leading_with_http(name: &str, extra: &[(&str, &str)]) -> (std::process::Child, String, std::path::PathBuf) {
+    let relay = sim(None).await;
+    let dir = tmpdir(name);
+    let mut env = base_env(&relay.url(), &dir);
+    let http = format!("127.0.0.1:{}", free_port());
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
+    env.insert("FIREKEEPER_SINK".into(), "null".into());
+    for (k, v) in extra {
+        env.insert((*k).into(), (*v).into());
+    }
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("fk.log"));
+    std::mem::forget(relay); // lives until the test process ends
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some((200, body)) = http_get(&http, "/status").await
+            && serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["committed"] == TOTAL)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never committed the fixture");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (child, http, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_and_alert_rules_use_only_metrics_that_metrics_exposes() {
+    let (child, http, _dir) = leading_with_http("names", &[]).await;
+    // Everything is registered at startup except the renewal histogram, which appears
+    // with the first renewal (a histogram has no zero value to start from).
+    let deadline = Instant::now() + WAIT;
+    let metrics = loop {
+        let (code, metrics) = http_get(&http, "/metrics").await.expect("metrics");
+        assert_eq!(code, 200);
+        if metrics.contains("firekeeper_lease_renew_seconds") {
+            break metrics;
+        }
+        assert!(Instant::now() < deadline, "no lease renewal recorded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let exposed = metric_names(&metrics);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for file in ["deploy/grafana/firekeeper.json", "deploy/prometheus/firekeeper-rules.yml"] {
+        let text = std::fs::read_to_string(root.join(file)).expect(file);
+        let used = metric_names(&text);
+        assert!(used.len() >= 5, "{file} uses {used:?}");
+        let missing: Vec<_> = used.difference(&exposed).collect();
+        assert!(missing.is_empty(), "{file} uses metrics /metrics does not expose: {missing:?}\nexposed: {exposed:?}");
+    }
+    let (_, status) = http_get(&http, "/status").await.expect("status");
+    let status: serde_json::Value = serde_json::from_str(&status).expect("json");
+    assert!(status["lag_seconds"].as_f64().is_some(), "lag_seconds is filled while events flow: {status}");
+    assert!(sigterm_and_wait(child).success());
+}
+
+/// An OTLP/HTTP receiver: decodes every export request; keeps the raw bodies too.
+async fn otlp_receiver() -> (String, Arc<Mutex<Vec<ExportTraceServiceRequest>>>, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let (got, raw) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let (g, r) = (got.clone(), raw.clone());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (g, r) = (g.clone(), r.clone());
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                while let Some((line, body)) = support::read_request_with_line(&mut s, &mut pending).await {
+                    if line.contains("/v1/traces") {
+                        let req = ExportTraceServiceRequest::decode(body.as_slice()).expect("a valid OTLP export");
+                        g.lock().expect("got").push(req);
+                        r.lock().expect("raw").push(body);
+                    }
+                    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                    if s.write_all(ok.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, got, raw)
+}
+
+fn text(v: Option<&opentelemetry_proto::tonic::common::v1::AnyValue>) -> String {
+    match v.and_then(|v| v.value.as_ref()) {
+        Some(Value::StringValue(s)) => s.clone(),
+        Some(Value::IntValue(i)) => i.to_string(),
+        Some(Value::BoolValue(b)) => b.to_string(),
+        Some(Value::DoubleValue(d)) => d.to_string(),
+        _ => String::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otlp_spans_arrive_with_their_attributes_and_no_secrets() {
+    let (endpoint, got, raw) = otlp_receiver().await;
+    let relay = sim(None).await;
+    let dir = tmpdir("otlp");
+    // Credentials in the relay URL must never reach a span.
+    let with_creds = relay.url().replace("ws://", "ws://user:hunter2@");
+    let mut env = base_env(&with_creds, &dir);
+    env.insert("FIREKEEPER_SINK".into(), "null".into());
+    env.insert("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint);
+    env.insert("OTEL_BSP_SCHEDULE_DELAY".into(), "200".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("otlp.log"));
+    let spans = || -> Vec<(String, Vec<(String, String)>)> {
+        got.lock()
+            .expect("got")
+            .iter()
+            .flat_map(|r| r.resource_spans.iter())
+            .flat_map(|rs| rs.scope_spans.iter())
+            .flat_map(|ss| ss.spans.iter())
+            .map(|s| (s.name.clone(), s.attributes.iter().map(|a| (a.key.clone(), text(a.value.as_ref()))).collect()))
+            .collect()
+    };
+    wait_until("commit and relay_connect spans", || {
+        let s = spans();
+        s.iter().any(|(n, _)| n == "commit") && s.iter().any(|(n, _)| n == "relay_connect")
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    // The term span ends with the term: flushed at shutdown.
+    wait_until("the term span", || spans().iter().any(|(n, _)| n == "term")).await;
+    let s = spans();
+    let attrs = |name: &str| s.iter().find(|(n, _)| n == name).map(|(_, a)| a.clone()).expect(name);
+    let has = |a: &[(String, String)], k: &str| a.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+    assert!(has(&attrs("term"), "token").is_some_and(|t| t.parse::<u64>().is_ok()), "{:?}", attrs("term"));
+    assert_eq!(has(&attrs("relay_connect"), "relay").as_deref(), Some("primary"));
+    let commit = attrs("commit");
+    assert!(has(&commit, "cursor").is_some() && has(&commit, "token").is_some(), "{commit:?}");
+    let services: BTreeSet<String> = got
+        .lock()
+        .expect("got")
+        .iter()
+        .flat_map(|r| r.resource_spans.iter())
+        .filter_map(|rs| rs.resource.as_ref())
+        .flat_map(|r| r.attributes.iter())
+        .filter(|a| a.key == "service.name")
+        .map(|a| text(a.value.as_ref()))
+        .collect();
+    assert_eq!(services, BTreeSet::from(["firekeeper".to_owned()]));
+    for body in raw.lock().expect("raw").iter() {
+        assert!(!body.windows(7).any(|w| w == b"hunter2"), "a credential reached an exported span");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_lease_store_is_named_by_address_and_cause() {
+    let relay = sim(None).await;
+    let dir = tmpdir("named");
+    let mut env = base_env(&relay.url(), &dir);
+    let port = free_port();
+    env.insert("REDIS_URL".into(), format!("redis://:s3cret@127.0.0.1:{port}/"));
+    let mut child = firekeeper(&env, &[], &dir.join("named.log"));
+    let log = || std::fs::read_to_string(dir.join("named.log")).unwrap_or_default();
+    wait_until("the lease store error", || log().contains("cannot reach the lease store")).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = log();
+    assert!(text.contains(&format!("127.0.0.1:{port}")) && text.contains("connection refused"), "{text}");
+    assert!(!text.contains("s3cret"), "no password in logs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_logs_get_a_human_summary_line() {
+    let (child, _http, dir) = leading_with_http("summary", &[("FIREKEEPER_LOG_FORMAT", "text")]).await;
+    let log = || std::fs::read_to_string(dir.join("fk.log")).unwrap_or_default();
+    wait_until("a summary line", || log().lines().any(|l| l.starts_with("firekeeper: leader token"))).await;
+    let line = log().lines().find(|l| l.starts_with("firekeeper: leader token")).map(str::to_owned).expect("line");
+    for part in ["relay primary", "events/s", "lag", &format!("cursor {TOTAL}")] {
+        assert!(line.contains(part), "{part} missing from {line:?}");
+    }
+    assert!(sigterm_and_wait(child).success());
+}
