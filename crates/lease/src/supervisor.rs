@@ -515,7 +515,7 @@ impl<B: Backend> Supervisor<B> {
                 }
                 Err(e) => {
                     if !warned {
-                        tracing::warn!(error = %e, "cannot reach the lease store; retrying every poll interval");
+                        tracing::warn!(error = %e, retry_ms = self.cfg.poll.as_millis() as u64, "cannot reach the lease store; retrying every poll interval (±20 %)");
                         warned = true;
                     }
                 }
