@@ -202,15 +202,25 @@ async fn primary_relay_down_fails_over_to_secondary_and_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_garbage_and_error_frames_lose_nothing() {
-    let (c, _, _) = started("garbage", Spec { copies: 2, ..Spec::default() }).await;
+    let (mut c, _, _) = started("garbage", Spec { copies: 2, ..Spec::default() }).await;
     progress(&c, 300).await;
     let h = c.relay.handle();
     h.send_raw(bytes::Bytes::from_static(b"\xa1\x61tnot cbor"));
     h.send_text("hello");
+    // A corrupt copy of an event already delivered (seq 5): a replay, dropped quietly
+    // instead of stopping the leader under the default bad-frame policy.
+    let mut replay = support::fixture()[4].to_vec();
+    let at = replay.windows(3).position(|w| w == [0x62, b'o', b'p']).expect("op key");
+    replay[at + 3] = 0x07;
+    h.send_raw(bytes::Bytes::from(replay));
     progress(&c, 600).await;
     h.send_error("ConsumerTooSlow", "slow down");
     c.wait_complete().await;
     assert_eq!(c.check(), 0, "reconnects resume after the last delivered seq");
+    for r in &mut c.replicas {
+        let exited = r.child.as_mut().and_then(|ch| ch.try_wait().ok().flatten());
+        assert!(exited.is_none(), "{} exited ({exited:?}): a replayed corrupt frame must not stop a leader", r.name);
+    }
 }
 
 /// Waits until `c` has a leader other than `not`; returns it and how long that took.

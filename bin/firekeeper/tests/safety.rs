@@ -396,3 +396,48 @@ async fn a_missing_cursor_after_earlier_terms_stops_instead_of_skipping_to_the_l
     assert!(log.contains("firekeeper cursor set"), "names the command:\n{log}");
     assert!(cursor_shown(&env).ends_with("cursor none"), "nothing was committed from the live tail");
 }
+
+/// Defect 4, the relay-switch path: the drain before a switch waited on the term alone, so
+/// SIGTERM during a switch with a stuck sink was ignored and the lease held forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_relay_switch_with_a_stuck_sink_still_exits_within_the_budget() {
+    // A webhook that accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let hook = format!("http://{}/", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let (primary, secondary) =
+        (RelaySim::start(fixture()).await.expect("sim"), RelaySim::start(fixture()).await.expect("sim"));
+    let dir = tmpdir("switch-term");
+    let mut env = base_env(&primary.url(), &dir);
+    for (k, v) in [
+        ("FIREKEEPER_RELAY_SECONDARY", secondary.url()),
+        ("FIREKEEPER_SINK", "webhook".into()),
+        ("FIREKEEPER_WEBHOOK_URL", hook),
+        ("FIREKEEPER_WEBHOOK_TIMEOUT_MS", "60000".into()),
+        ("FIREKEEPER_QUEUE_DEPTH", "4096".into()),
+        ("FIREKEEPER_LANES", "1".into()),
+        ("FIREKEEPER_FAILOVER_AFTER", "1".into()),
+        ("FIREKEEPER_DRAIN_BUDGET_MS", "1000".into()),
+    ] {
+        env.insert(k.into(), v);
+    }
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("switch.log"));
+    // Everything is read into the lane (the sink holds the first batch), then the primary
+    // goes away: the leader drains before switching, and that drain cannot finish.
+    wait_until("the relay connection", || log_of(&dir, "switch.log").contains("relay connected")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    primary.handle().set_down(true);
+    wait_until("the switch to begin", || log_of(&dir, "switch.log").contains("switching relay")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let status = tokio::task::spawn_blocking(move || sigterm_and_wait(child)).await.expect("join");
+    let log = log_of(&dir, "switch.log");
+    assert_eq!(status.code(), Some(1), "the drain over budget ends the process:\n{log}");
+    assert!(log.contains("drain exceeded"), "{log}");
+    assert!(cursor_shown(&env).ends_with("cursor 0"), "nothing was acknowledged");
+}
