@@ -671,10 +671,18 @@ impl Leader<'_, '_> {
             },
         };
         let lane = self.p.lane_of(ev.did.as_deref());
-        let permit = match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
-            Ok(Ok(permit)) => permit,
-            Ok(Err(_)) => return Step::End(TermEnd::Lost),
-            Err(i) => return i.into(),
+        // Fast path: a lane with room needs no wait (and no waiters registered on the
+        // term and shutdown tokens per event); a full one is waited on, guarded.
+        let permit = match self.p.lanes[lane].try_reserve() {
+            Ok(permit) => permit,
+            Err(mpsc::error::TrySendError::Closed(())) => return Step::End(TermEnd::Lost),
+            Err(mpsc::error::TrySendError::Full(())) => {
+                match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
+                    Ok(Ok(permit)) => permit,
+                    Ok(Err(_)) => return Step::End(TermEnd::Lost),
+                    Err(i) => return i.into(),
+                }
+            }
         };
         if let Err(e) = self.p.watermark.deliver(ev.seq) {
             // Intake only reads while the window has room, and the client delivers in
