@@ -137,28 +137,7 @@ impl PostgresStore {
         cursor: u64,
         token: u64,
     ) -> Result<CommitOutcome, StoreError> {
-        cursor::check(cursor)?;
-        if let Some(current) = fence(tx, token).await? {
-            return Ok(CommitOutcome::Fenced { current: Some(current) });
-        }
-        let n = tx
-            .execute(
-                "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
-                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()
-                 WHERE firekeeper_cursors.cursor < EXCLUDED.cursor",
-                &[&fingerprint, &as_i64(cursor), &as_i64(token)],
-            )
-            .await
-            .map_err(|e| pg(&e))?;
-        if n == 1 {
-            return Ok(CommitOutcome::Saved);
-        }
-        let stored: i64 = tx
-            .query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
-            .await
-            .map_err(|e| pg(&e))?
-            .get(0);
-        Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? })
+        Self::upsert(tx, fingerprint, cursor, token, true).await
     }
 
     /// A fenced rewind under `token`: sets the cursor even if lower (an accepted
@@ -169,18 +148,39 @@ impl PostgresStore {
         cursor: u64,
         token: u64,
     ) -> Result<CommitOutcome, StoreError> {
+        Self::upsert(tx, fingerprint, cursor, token, false).await
+    }
+
+    /// The fenced write behind both: `forward_only` keeps the larger cursor.
+    async fn upsert(
+        tx: &impl GenericClient,
+        fingerprint: &str,
+        cursor: u64,
+        token: u64,
+        forward_only: bool,
+    ) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
         if let Some(current) = fence(tx, token).await? {
             return Ok(CommitOutcome::Fenced { current: Some(current) });
         }
-        tx.execute(
+        let sql = if forward_only {
             "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
-             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()",
-            &[&fingerprint, &as_i64(cursor), &as_i64(token)],
-        )
-        .await
-        .map_err(|e| pg(&e))?;
-        Ok(CommitOutcome::Saved)
+             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()
+             WHERE firekeeper_cursors.cursor < EXCLUDED.cursor"
+        } else {
+            "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
+             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()"
+        };
+        let n = tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token)]).await.map_err(|e| pg(&e))?;
+        if n == 1 {
+            return Ok(CommitOutcome::Saved);
+        }
+        let stored: i64 = tx
+            .query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
+            .await
+            .map_err(|e| pg(&e))?
+            .get(0);
+        Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? })
     }
 
     /// A fenced rewind in its own transaction.
