@@ -367,7 +367,9 @@ async fn a_frozen_leader_writes_none_of_the_batches_waiting_for_the_jsonl_lock_a
         "only the frozen term's token"
     );
     assert!(sigterm_and_wait(b).success());
-    drop(a);
+    // Dropping a `Child` does not kill it: a leftover process would keep dialling this
+    // test's Redis port and join whatever cluster binds it next.
+    assert!(sigterm_and_wait(a).success(), "the woken standby exits cleanly");
 }
 
 /// Defect 8: a missing cursor after earlier terms (the store lost it) silently started
