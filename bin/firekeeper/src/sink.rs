@@ -39,6 +39,14 @@ pub struct BatchCtx {
     pub term: lease::Term,
 }
 
+impl BatchCtx {
+    /// `Err(Cancelled)` once the term's deadline has passed: called right before each
+    /// externally visible write, after any wait that may have outlasted the term.
+    fn ensure_active(&self) -> Result<(), SinkError> {
+        if self.term.is_active() { Ok(()) } else { Err(SinkError::Cancelled) }
+    }
+}
+
 /// Why a batch was not written.
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
@@ -170,10 +178,8 @@ impl Sink {
                 }
                 let mut w = w.lock().await;
                 // Waiting for the lock may have outlasted the term (another lane was
-                // writing, or the process was frozen): check again, right before writing.
-                if !ctx.term.is_active() {
-                    return Err(SinkError::Cancelled);
-                }
+                // writing, or the process was frozen).
+                ctx.ensure_active()?;
                 w.write_all(buf.as_bytes()).await.map_err(|e| SinkError::Failed(format!("jsonl write: {e}")))?;
                 w.flush().await.map_err(|e| SinkError::Failed(format!("jsonl flush: {e}")))
             }
@@ -182,9 +188,7 @@ impl Sink {
                 for e in batch {
                     line(e, ctx, &mut body);
                 }
-                if !ctx.term.is_active() {
-                    return Err(SinkError::Cancelled);
-                }
+                ctx.ensure_active()?;
                 let resp = client
                     .post(url)
                     .header("content-type", "application/x-ndjson")
@@ -239,12 +243,14 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
             let _ = tx.rollback().await;
             Err(SinkError::Fenced)
         }
-        // The transaction may have waited on a lock past the term's deadline.
-        Ok(_) if !ctx.term.is_active() => {
-            let _ = tx.rollback().await;
-            Err(SinkError::Cancelled)
-        }
-        Ok(_) => tx.commit().await.map_err(pg),
+        Ok(_) => match ctx.ensure_active() {
+            Ok(()) => tx.commit().await.map_err(pg),
+            // The transaction may have waited on a lock past the term's deadline.
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        },
         Err(e) => Err(SinkError::Failed(e.to_string())),
     }
 }
@@ -254,19 +260,9 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    use lease::{BootClock, Clock, LeaseConfig, LeaseEvent, LocalBackend};
+    use lease::{LeaseConfig, LeaseEvent, LocalBackend, OffsetClock};
 
     use super::*;
-
-    /// The boot clock, plus an offset the test moves: "the process was frozen".
-    #[derive(Default)]
-    struct JumpClock(AtomicU64);
-
-    impl Clock for JumpClock {
-        fn now(&self) -> Duration {
-            BootClock.now() + Duration::from_nanos(self.0.load(Ordering::SeqCst))
-        }
-    }
 
     fn tmp(name: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("fk-sink-{name}-{}", std::process::id()));
@@ -275,7 +271,7 @@ mod tests {
         d
     }
 
-    async fn term_with(clock: Arc<JumpClock>, dir: &std::path::Path) -> (lease::LeaseHandle, BatchCtx) {
+    async fn term_with(clock: Arc<OffsetClock>, dir: &std::path::Path) -> (lease::LeaseHandle, BatchCtx) {
         let backend = Arc::new(LocalBackend::new(&dir.join("lease.lock")));
         let (h, mut ev) =
             lease::spawn_as(backend, LeaseConfig::from_ttl(Duration::from_secs(10)), clock, "t").expect("cfg");
@@ -302,7 +298,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_write_that_waited_for_the_jsonl_lock_past_the_deadline_writes_nothing() {
         let dir = tmp("lock");
-        let clock = Arc::new(JumpClock::default());
+        let clock = Arc::new(OffsetClock::default());
         let (h, ctx) = term_with(clock.clone(), &dir).await;
         let out = dir.join("out.jsonl");
         let sink = Arc::new(jsonl(&out).await);
@@ -314,7 +310,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(!write.is_finished(), "the write passed its first check and waits for the lock");
         // The deadline passes while it waits (the supervisor has not run yet).
-        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        clock.advance(Duration::from_secs(3600));
         assert!(!ctx.term.is_active());
         drop(guard);
         let r = write.await.expect("join");
@@ -326,7 +322,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn no_webhook_request_is_sent_after_the_deadline() {
         let dir = tmp("hook");
-        let clock = Arc::new(JumpClock::default());
+        let clock = Arc::new(OffsetClock::default());
         let (h, ctx) = term_with(clock.clone(), &dir).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let url = format!("http://{}/", listener.local_addr().expect("addr"));
@@ -339,7 +335,7 @@ mod tests {
         });
         let _ = rustls::crypto::ring::default_provider().install_default();
         let sink = Sink::Webhook { client: reqwest::Client::new(), url };
-        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        clock.advance(Duration::from_secs(3600));
         assert!(matches!(sink.try_write(&[event(1)], &ctx).await, Err(SinkError::Cancelled)));
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 0, "no request was sent");
@@ -352,7 +348,7 @@ mod tests {
     async fn a_postgres_batch_that_waited_on_a_lock_past_the_deadline_is_rolled_back() {
         let pg = testkit::PgServer::start();
         let dir = tmp("pg");
-        let clock = Arc::new(JumpClock::default());
+        let clock = Arc::new(OffsetClock::default());
         let (h, ctx) = term_with(clock.clone(), &dir).await;
         let (client, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
         tokio::spawn(conn);
@@ -367,7 +363,7 @@ mod tests {
         let write = tokio::spawn(async move { s.try_write(&[event(1), event(2)], &c).await });
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(!write.is_finished(), "the INSERT waits for the lock");
-        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        clock.advance(Duration::from_secs(3600));
         tx.rollback().await.expect("unlock");
         let r = write.await.expect("join");
         assert!(matches!(r, Err(SinkError::Cancelled)), "{r:?}");
@@ -382,14 +378,14 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn no_sink_write_starts_after_the_deadline() {
         let dir = tmp("start");
-        let clock = Arc::new(JumpClock::default());
+        let clock = Arc::new(OffsetClock::default());
         let (h, ctx) = term_with(clock.clone(), &dir).await;
         let out = dir.join("out.jsonl");
         let sink = jsonl(&out).await;
         sink.try_write(&[event(1)], &ctx).await.expect("written while active");
         let written = std::fs::read(&out).expect("read").len();
         assert!(written > 0);
-        clock.0.store(Duration::from_secs(3600).as_nanos() as u64, Ordering::SeqCst);
+        clock.advance(Duration::from_secs(3600));
         assert!(matches!(sink.try_write(&[event(2)], &ctx).await, Err(SinkError::Cancelled)));
         assert_eq!(std::fs::read(&out).expect("read").len(), written);
         h.abandon().await;

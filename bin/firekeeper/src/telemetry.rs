@@ -108,10 +108,10 @@ pub async fn summary_lines(shared: std::sync::Arc<crate::work::Shared>, every: s
     use std::sync::atomic::Ordering;
     let mut tick = tokio::time::interval(every);
     tick.tick().await;
-    let mut last = crate::work::EVENTS.load(Ordering::Relaxed);
+    let mut last = shared.events.load(Ordering::Relaxed);
     loop {
         tick.tick().await;
-        let now = crate::work::EVENTS.load(Ordering::Relaxed);
+        let now = shared.events.load(Ordering::Relaxed);
         let rate = (now - last) as f64 / every.as_secs_f64();
         last = now;
         let s = shared.snapshot();

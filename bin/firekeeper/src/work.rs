@@ -57,6 +57,8 @@ pub struct Shared {
     /// deadline (a process that just woke from a freeze has stopped acting before its
     /// supervisor announced the loss).
     pub term: std::sync::Mutex<Option<Term>>,
+    /// Events handed to the sink by this process (the summary line's rate).
+    pub events: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -143,18 +145,6 @@ pub fn rfc3339_seconds(s: &str) -> Option<f64> {
     let days = era * 146_097 + doe - 719_468;
     #[allow(clippy::cast_precision_loss)]
     Some((days * 86_400 + hh * 3600 + mm * 60 + ss) as f64 + frac)
-}
-
-/// Lag of the newest delivered event, in ms, for `/status` and the summary line.
-static LAST_LAG_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
-/// Events handed to the sink by this process, for the summary line.
-pub static EVENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// The age of the newest delivered event, if any was delivered.
-#[must_use]
-pub fn last_lag_seconds() -> Option<f64> {
-    let ms = LAST_LAG_MS.load(std::sync::atomic::Ordering::Relaxed);
-    (ms != u64::MAX).then(|| ms as f64 / 1000.0)
 }
 
 fn now_seconds() -> f64 {
@@ -438,9 +428,10 @@ fn ctx_for(cfg: &Config, term: &Term, role: RelayRole) -> BatchCtx {
     }
 }
 
-/// Builds the sink event of a frame; `Ok(None)` when the collection filter drops it
-/// whole; `Err` when it cannot be rendered (the bad-frame policy decides).
-fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Result<Option<Event>, relay_client::DecodeError> {
+/// Builds the sink event of a frame and its lag (relay time to now, when the frame has a
+/// time); `Ok(None)` when the collection filter drops it whole; `Err` when it cannot be
+/// rendered (the bad-frame policy decides).
+fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Result<Option<(Event, Option<f64>)>, relay_client::DecodeError> {
     let frame = relay_client::decode(bytes)?;
     let Frame::Message(m) = &frame else { return Ok(None) };
     let keep = |op: &relay_client::frame::RepoOp<'_>| cfg.wants(op.collection());
@@ -466,11 +457,10 @@ fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Result<Option<Event>, relay
         Message::Account(a) => Some(a.time),
         _ => None,
     };
-    if let Some(lag) = time.and_then(rfc3339_seconds).map(|t| now_seconds() - t) {
+    let lag = time.and_then(rfc3339_seconds).map(|t| now_seconds() - t);
+    if let Some(lag) = lag {
         metrics::gauge!("firekeeper_lag_seconds").set(lag);
-        LAST_LAG_MS.store((lag.max(0.0) * 1000.0) as u64, std::sync::atomic::Ordering::Relaxed);
     }
-    EVENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let kind = match m {
         Message::Commit(_) => "#commit",
         Message::Sync(_) => "#sync",
@@ -479,7 +469,7 @@ fn to_event(cfg: &Config, bytes: &[u8], seq: u64) -> Result<Option<Event>, relay
         _ => "#other",
     };
     metrics::counter!("firekeeper_events_total", "type" => kind).increment(1);
-    Ok(Some(Event { seq, kind, did: m.did().map(str::to_owned), body }))
+    Ok(Some((Event { seq, kind, did: m.did().map(str::to_owned), body }, lag)))
 }
 
 fn on_notice(cx: &Ctx<'_>, n: &Notice) {
@@ -543,28 +533,47 @@ struct Leader<'a, 'c> {
     role: RelayRole,
     sub: Subscription,
     p: Pipeline,
-    /// A relay went live after `FutureCursor` (the rejected cursor): the first live seq
-    /// rewinds the stored cursor, fenced, to just before it.
-    went_live: Option<Option<u64>>,
-    /// Started from the live tail with no stored cursor: the first seq is committed
-    /// (as "everything before it") at once, so a successor resumes from there.
-    fresh_start: bool,
+    /// Set when the stream starts with no known position: the first seq rewinds the
+    /// stored cursor, fenced, to just before it.
+    rewind: Option<Rewind>,
+    /// Age of the newest delivered event; `/status` shows it at each commit tick.
+    lag: Option<f64>,
+}
+
+/// Why the first seq of a stream sets the stored cursor.
+#[derive(Debug, Clone, Copy)]
+enum Rewind {
+    /// Started from the live tail with no stored cursor: recording where this deployment
+    /// started lets a successor resume there instead of at a later live tail.
+    FreshStart,
+    /// The relay went live after rejecting this cursor as `FutureCursor`: an accepted gap.
+    WentLive(Option<u64>),
+}
+
+/// Where `role`'s stream resumes, as a term step.
+async fn resume_point(cx: &Ctx<'_>, term: &Term, role: RelayRole, at_term_start: bool) -> Result<Option<u64>, Step> {
+    let fp = ctx_for(cx.cfg, term, role).fingerprint;
+    read_cursor(cx, term, role, &fp, at_term_start).await.map_err(|e| match e {
+        CursorProblem::Interrupted(i) => i.into(),
+        CursorProblem::Fatal(e) => Step::End(TermEnd::Fatal(e)),
+    })
 }
 
 impl Leader<'_, '_> {
-    /// Starts `role` from its stored cursor with a fresh pipeline.
-    async fn start(&mut self, role: RelayRole, at_term_start: bool) -> Result<(), Step> {
-        let fp = ctx_for(self.cx.cfg, &self.term, role).fingerprint;
-        let cursor = match read_cursor(self.cx, &self.term, role, &fp, at_term_start).await {
-            Ok(c) => c,
-            Err(CursorProblem::Interrupted(i)) => return Err(i.into()),
-            Err(CursorProblem::Fatal(e)) => return Err(Step::End(TermEnd::Fatal(e))),
-        };
-        self.role = role;
+    /// Switches to `role` from its stored cursor with a fresh pipeline.
+    async fn switch_to(&mut self, role: RelayRole) -> Result<(), Step> {
+        let cursor = resume_point(self.cx, &self.term, role, false).await?;
         self.p.abort();
         self.p = Pipeline::new(self.cx.cfg, &self.cx.sink, ctx_for(self.cx.cfg, &self.term, role), cursor);
-        self.fresh_start = cursor.is_none();
-        self.went_live = None;
+        self.begin(role, cursor);
+        Ok(())
+    }
+
+    /// Subscribes to `role` from `cursor` on the current pipeline.
+    fn begin(&mut self, role: RelayRole, cursor: Option<u64>) {
+        let fp = self.p.ctx.fingerprint.clone();
+        self.role = role;
+        self.rewind = cursor.is_none().then_some(Rewind::FreshStart);
         self.sub.start(role, cursor);
         metrics::gauge!("firekeeper_relay_on_secondary").set(if role == RelayRole::Secondary { 1.0 } else { 0.0 });
         self.cx.shared.update(|s| {
@@ -572,7 +581,6 @@ impl Leader<'_, '_> {
             s.fingerprint = Some(fp);
             s.committed = cursor;
         });
-        Ok(())
     }
 
     /// Drains what was delivered and commits it (final). `Err` when the term ended or
@@ -619,9 +627,8 @@ impl Leader<'_, '_> {
     }
 
     /// Handles the first frame after going live or starting fresh.
-    async fn on_first_seq(&mut self, seq: u64) -> Result<(), Step> {
-        let before = seq.saturating_sub(1);
-        if let Some(rejected) = self.went_live.take() {
+    async fn on_first_seq(&mut self, why: Rewind, seq: u64) -> Result<(), Step> {
+        if let Rewind::WentLive(rejected) = why {
             metrics::counter!("firekeeper_gaps_total", "reason" => "future_cursor").increment(1);
             tracing::error!(
                 relay = self.role.as_str(),
@@ -630,26 +637,24 @@ impl Leader<'_, '_> {
                 "accepted gap (FIREKEEPER_FUTURE_CURSOR=live): events after the rejected cursor that the relay no \
                  longer numbers that way are skipped; the stored cursor is rewound to just before the first live seq"
             );
-            self.reset_cursor(before).await?;
-        } else if self.fresh_start {
-            // Record where this deployment started, so the next leader resumes here
-            // instead of at a later live tail.
-            self.reset_cursor(before).await?;
         }
-        self.fresh_start = false;
-        Ok(())
+        self.reset_cursor(seq.saturating_sub(1)).await
     }
 
     /// Hands one frame to the pipeline: waits for room in its lane (and the window, which
     /// the caller checked), never skips a refused delivery.
     async fn on_frame(&mut self, f: relay_client::OwnedFrame) -> Step {
-        if (self.fresh_start || self.went_live.is_some())
-            && let Err(s) = self.on_first_seq(f.seq).await
+        if let Some(why) = self.rewind.take()
+            && let Err(s) = self.on_first_seq(why, f.seq).await
         {
             return s;
         }
         let ev = match to_event(self.cx.cfg, &f.bytes, f.seq) {
-            Ok(Some(ev)) => ev,
+            Ok(Some((ev, lag))) => {
+                self.cx.shared.events.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.lag = lag.or(self.lag);
+                ev
+            }
             Ok(None) => return self.pass(f.seq),
             Err(error) => match self.cx.cfg.client.bad_frame {
                 BadFramePolicy::Skip => {
@@ -714,7 +719,7 @@ impl Leader<'_, '_> {
                     let ctx = ctx_for(self.cx.cfg, &self.term, self.role);
                     self.p.abort();
                     self.p = Pipeline::new(self.cx.cfg, &self.cx.sink, ctx, None);
-                    self.went_live = Some(rejected);
+                    self.rewind = Some(Rewind::WentLive(rejected));
                 }
                 Step::Next
             }
@@ -725,7 +730,7 @@ impl Leader<'_, '_> {
                     return s;
                 }
                 tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?self.p.committed, "relay switch: committed the current relay first");
-                match self.start(to, false).await {
+                match self.switch_to(to).await {
                     Ok(()) => Step::Next,
                     Err(s) => s,
                 }
@@ -752,15 +757,17 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
         Ok(Err(e)) => return TermEnd::Fatal(anyhow!("cursor store refused the new term: {e}")),
         Ok(Ok(())) => {}
     }
-    let sub = Subscription::new(cfg.client.clone(), cfg.relay.clone(), cfg.relay_secondary.clone());
-    let p = Pipeline::new(cfg, &cx.sink, ctx_for(cfg, &term, RelayRole::Primary), None);
-    let mut l = Leader { cx, term, role: RelayRole::Primary, sub, p, went_live: None, fresh_start: false };
-    match l.start(RelayRole::Primary, true).await {
-        Ok(()) => {}
-        Err(Step::End(end)) => return end,
+    let role = RelayRole::Primary;
+    let cursor = match resume_point(cx, &term, role, true).await {
+        Ok(c) => c,
         Err(Step::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
-        Err(Step::Next) => unreachable!("start never asks to go on"),
-    }
+        Err(Step::End(end)) => return end,
+        Err(Step::Next) => unreachable!("resume_point never asks to go on"),
+    };
+    let sub = Subscription::new(cfg.client.clone(), cfg.relay.clone(), cfg.relay_secondary.clone());
+    let p = Pipeline::new(cfg, &cx.sink, ctx_for(cfg, &term, role), cursor);
+    let mut l = Leader { cx, term, role, sub, p, rewind: None, lag: None };
+    l.begin(role, cursor);
     let mut tick = tokio::time::interval(cfg.commit_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let cancel = l.term.cancellation();
@@ -780,7 +787,7 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
                     let (delivered, in_flight) = (l.sub.cursor(), l.p.watermark.in_flight());
                     let lag = delivered.zip(l.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
                     metrics::gauge!("firekeeper_lag_seq").set(lag as f64);
-                    cx.shared.update(|s| { s.last_seq = delivered; s.in_flight = in_flight; s.lag_seconds = last_lag_seconds(); });
+                    cx.shared.update(|s| { s.last_seq = delivered; s.in_flight = in_flight; s.lag_seconds = l.lag; });
                     Step::Next
                 }
             }

@@ -49,3 +49,23 @@ impl Clock for TokioClock {
         self.origin.elapsed()
     }
 }
+
+/// The boot clock plus an offset that only moves forward: jumps time as a freeze or a
+/// suspend would (the boot clock runs on while tokio's timers do not), for tests of what
+/// a term does once its deadline passed behind the runtime's back.
+#[derive(Debug, Default)]
+pub struct OffsetClock(std::sync::atomic::AtomicU64);
+
+impl OffsetClock {
+    /// Moves this clock `by` ahead of the boot clock (cumulative).
+    pub fn advance(&self, by: Duration) {
+        let ns = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        self.0.fetch_add(ns, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Clock for OffsetClock {
+    fn now(&self) -> Duration {
+        BootClock.now() + Duration::from_nanos(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}

@@ -24,7 +24,7 @@ pub mod redis_backend;
 pub mod supervisor;
 
 pub use backend::{Acquire, Backend, BackendError, Renew, Snapshot};
-pub use clock::{BootClock, Clock, TokioClock};
+pub use clock::{BootClock, Clock, OffsetClock, TokioClock};
 pub use config::{ConfigError, LeaseConfig};
 pub use local::LocalBackend;
 pub use redis_backend::{Keys, RedisBackend};

@@ -487,9 +487,9 @@ impl<B: Backend> Supervisor<B> {
             let r = if self.not_before.is_some_and(|nb| sent < nb) {
                 // A holder seen earlier may still be leading although the store no longer
                 // shows it: look, do not take.
-                self.observe().await
+                self.observe().await.map(|()| None)
             } else {
-                self.call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen)).await
+                self.call(self.backend.acquire(&self.instance, self.cfg.ttl, self.seen)).await.map(Some)
             };
             // A shutdown that arrived while the acquire was in flight wins, and whatever
             // was just acquired is released.
@@ -497,7 +497,7 @@ impl<B: Backend> Supervisor<B> {
                 self.standby_command(c);
             }
             match r {
-                Ok(Acquire::Acquired { token }) => {
+                Ok(Some(Acquire::Acquired { token })) => {
                     if self.stopping {
                         let _ = self.call(self.backend.release(&self.instance)).await;
                         tracing::info!(token, "released a lease acquired during shutdown");
@@ -505,14 +505,11 @@ impl<B: Backend> Supervisor<B> {
                     }
                     return Some(self.new_term(token, sent));
                 }
-                Ok(Acquire::Held { holder, expires_in }) => {
+                Ok(Some(Acquire::Held { holder, expires_in })) => {
                     warned = false;
-                    self.see(&holder);
-                    if let Some(d) = expires_in {
-                        let at = self.clock.now() + d;
-                        self.not_before = Some(self.not_before.map_or(at, |nb| nb.max(at)));
-                    }
+                    self.on_held(&holder, expires_in);
                 }
+                Ok(None) => warned = false,
                 Err(e) => {
                     if !warned {
                         tracing::warn!(error = %e, retry_ms = self.cfg.poll.as_millis() as u64, "cannot reach the lease store; retrying every poll interval (±20 %)");
@@ -540,18 +537,25 @@ impl<B: Backend> Supervisor<B> {
 
     /// A read-only look at the store while an observed holder may still lead: a holder
     /// still there extends the wait; none means waiting out the observed expiry.
-    async fn observe(&mut self) -> Result<Acquire, BackendError> {
+    async fn observe(&mut self) -> Result<(), BackendError> {
         let snap = self.call(self.backend.snapshot()).await?;
+        self.seen = self.seen.max(snap.fence);
         match snap.holder {
-            Some(holder) => Ok(Acquire::Held { holder, expires_in: snap.ttl }),
-            None => {
-                tracing::warn!(
-                    wait_ms = self.not_before.map_or(0, |nb| nb.saturating_sub(self.clock.now()).as_millis() as u64),
-                    "the lease key vanished before the holder last seen could have expired; waiting out its ttl"
-                );
-                self.seen = self.seen.max(snap.fence);
-                Ok(Acquire::Held { holder: String::new(), expires_in: None })
-            }
+            Some(holder) => self.on_held(&holder, snap.ttl),
+            None => tracing::warn!(
+                wait_ms = self.not_before.map_or(0, |nb| nb.saturating_sub(self.clock.now()).as_millis() as u64),
+                "the lease key vanished before the holder last seen could have expired; waiting out its ttl"
+            ),
+        }
+        Ok(())
+    }
+
+    /// Another holder is there: remember its token (floor) and its key's expiry.
+    fn on_held(&mut self, holder: &str, expires_in: Option<Duration>) {
+        self.see(holder);
+        if let Some(d) = expires_in {
+            let at = self.clock.now() + d;
+            self.not_before = Some(self.not_before.map_or(at, |nb| nb.max(at)));
         }
     }
 

@@ -5,10 +5,9 @@
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lease::{BootClock, Clock, LeaseConfig, LeaseEvent, LocalBackend};
+use lease::{BootClock, Clock, LeaseConfig, LeaseEvent, LocalBackend, OffsetClock};
 use testkit::RedisServer;
 use tokio::time::timeout;
 
@@ -45,25 +44,14 @@ async fn a_starved_runtime_knows_its_term_is_over_before_the_supervisor_runs() {
     h.abandon().await;
 }
 
-/// The boot clock, plus an offset the test moves: a suspend, during which tokio's timers
-/// (monotonic, which stops in suspend) did not advance.
-#[derive(Default)]
-struct Suspendable(AtomicU64);
-
-impl Clock for Suspendable {
-    fn now(&self) -> Duration {
-        BootClock.now() + Duration::from_nanos(self.0.load(Ordering::SeqCst))
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspend_past_the_deadline_ends_the_term_at_once() {
     let dir = tmpdir("suspend");
-    let clock = Arc::new(Suspendable::default());
+    let clock = Arc::new(OffsetClock::default());
     let (h, term) = elect(&dir, clock.clone(), Duration::from_secs(10)).await;
     assert!(term.is_active());
     let before = term.remaining();
-    clock.0.store(Duration::from_secs(60).as_nanos() as u64, Ordering::SeqCst);
+    clock.advance(Duration::from_secs(60)); // the suspend
     assert!(!term.is_active(), "woke from a 60 s suspend with {before:?} left: the term is over");
     assert_eq!(term.remaining(), Duration::ZERO);
     h.abandon().await;
