@@ -1,8 +1,8 @@
 //! The stored cursor form and the outcomes of reads and commits.
 
-/// The largest cursor stored: 2^53-1, exact in every JSON/JavaScript consumer and in
-/// Lua's doubles.
-pub const MAX_CURSOR: u64 = (1 << 53) - 1;
+/// The largest cursor stored (the relay client's largest seq, 2^53-1): exact in every
+/// JSON/JavaScript consumer and in Lua's doubles.
+pub use relay_client::MAX_SEQ;
 
 /// The token of a lease holder value `<instance>:<token>`; a malformed value is a caller
 /// bug, reported as a protocol error rather than a guess.
@@ -77,7 +77,7 @@ pub fn parse(raw: &[u8]) -> Option<u64> {
     if !ok {
         return None;
     }
-    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().filter(|&v| v <= MAX_CURSOR)
+    std::str::from_utf8(raw).ok()?.parse::<u64>().ok().filter(|&v| v <= MAX_SEQ)
 }
 
 /// Classifies a raw stored value.
@@ -96,9 +96,9 @@ pub fn preview(b: &[u8]) -> String {
     if b.len() > 24 { format!("{s}… ({} bytes)", b.len()) } else { s }
 }
 
-/// Fails for cursors above [`MAX_CURSOR`].
+/// Fails for cursors above [`MAX_SEQ`].
 pub fn check(cursor: u64) -> Result<(), StoreError> {
-    if cursor > MAX_CURSOR { Err(StoreError::OutOfRange(cursor)) } else { Ok(()) }
+    if cursor > MAX_SEQ { Err(StoreError::OutOfRange(cursor)) } else { Ok(()) }
 }
 
 #[cfg(test)]
@@ -108,7 +108,7 @@ mod tests {
     #[test]
     fn only_canonical_decimals_in_range_are_cursors() {
         assert_eq!(parse(b"0"), Some(0));
-        assert_eq!(parse(b"9007199254740991"), Some(MAX_CURSOR));
+        assert_eq!(parse(b"9007199254740991"), Some(MAX_SEQ));
         for bad in [
             &b""[..],
             b"-1",

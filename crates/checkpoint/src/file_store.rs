@@ -116,3 +116,36 @@ impl FileStore {
         self.replace(fingerprint, cursor)
     }
 }
+
+#[async_trait::async_trait]
+impl crate::CursorStore for FileStore {
+    fn name(&self) -> &'static str {
+        "file"
+    }
+
+    async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        Self::read(self, fingerprint).await
+    }
+
+    async fn commit(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::commit(self, fingerprint, cursor, fence.holder).await
+    }
+
+    async fn reset(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::reset(self, fingerprint, cursor, fence.holder).await
+    }
+
+    async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        Self::force(self, fingerprint, cursor).await
+    }
+}

@@ -2,6 +2,7 @@
 //! current lease holder can move it, and only forward.
 //!
 //! # Layout
+//! - [`store`]: the [`CursorStore`] seam every store implements.
 //! - [`cursor`]: the stored form (a decimal string ≤ 2^53-1) and read outcomes.
 //! - [`redis_store`]: one Lua script per commit that checks the lease token.
 //! - [`file_store`]: the embedded default (temp file, fsync, rename, fsync dir), fenced by
@@ -16,10 +17,12 @@ pub mod cursor;
 pub mod file_store;
 pub mod postgres_store;
 pub mod redis_store;
+pub mod store;
 pub mod watermark;
 
-pub use cursor::{CommitOutcome, MAX_CURSOR, ReadOutcome, StoreError};
+pub use cursor::{CommitOutcome, MAX_SEQ, ReadOutcome, StoreError};
 pub use file_store::FileStore;
 pub use postgres_store::PostgresStore;
 pub use redis_store::{RedisKeys, RedisStore};
+pub use store::{CursorStore, Fence, OnCommit, RelayKey};
 pub use watermark::Watermark;

@@ -70,7 +70,7 @@ impl PostgresStore {
                     let v: i64 = r.get(0);
                     Ok(u64::try_from(v)
                         .ok()
-                        .filter(|&v| v <= cursor::MAX_CURSOR)
+                        .filter(|&v| v <= cursor::MAX_SEQ)
                         .map_or_else(|| ReadOutcome::Corrupt(v.to_string()), ReadOutcome::Found))
                 }
             }
@@ -221,4 +221,50 @@ async fn fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, Store
         tx.execute("UPDATE firekeeper_fence SET token = $1 WHERE id", &[&as_i64(token)]).await.map_err(|e| pg(&e))?;
     }
     Ok(None)
+}
+
+#[async_trait::async_trait]
+impl crate::CursorStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        Self::read(self, fingerprint).await
+    }
+
+    async fn commit(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::commit(self, fingerprint, cursor, fence.token).await
+    }
+
+    async fn reset(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::reset(self, fingerprint, cursor, fence.token).await
+    }
+
+    async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        Self::force(self, fingerprint, cursor).await
+    }
+
+    async fn on_elected(&self, fence: crate::Fence<'_>, _relays: &[crate::RelayKey<'_>]) -> Result<(), StoreError> {
+        match self.claim(fence.token).await? {
+            CommitOutcome::Fenced { current } => {
+                Err(StoreError::Protocol(format!("a newer term ({current:?}) already claimed the cursor table")))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    async fn fence_floor(&self) -> Result<Option<u64>, StoreError> {
+        self.fence_token().await.map(Some)
+    }
 }

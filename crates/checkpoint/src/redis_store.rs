@@ -101,6 +101,8 @@ return 0
 #[derive(Debug)]
 pub struct RedisStore {
     conn: Conn,
+    /// For the commits channel's own connection; never logged.
+    url: String,
     keys: RedisKeys,
     commit: Script,
     migrate: Script,
@@ -116,6 +118,7 @@ impl RedisStore {
     pub fn new(url: &str, keys: RedisKeys, op_timeout: Duration) -> Result<Self, StoreError> {
         Ok(Self {
             conn: Conn::open(url, op_timeout).map_err(err)?,
+            url: url.to_owned(),
             keys,
             commit: Script::new(&format!("{HELPERS}{COMMIT}")),
             migrate: Script::new(&format!("{HELPERS}{MIGRATE}")),
@@ -294,5 +297,52 @@ pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(P
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::CursorStore for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
+        Self::read(self, fingerprint).await
+    }
+
+    async fn commit(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::commit(self, fingerprint, cursor, fence.holder).await
+    }
+
+    async fn reset(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::reset(self, fingerprint, cursor, fence.holder).await
+    }
+
+    async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        Self::force(self, fingerprint, cursor).await
+    }
+
+    async fn on_elected(&self, _fence: crate::Fence<'_>, relays: &[crate::RelayKey<'_>]) -> Result<(), StoreError> {
+        for r in relays {
+            self.migrate_legacy(r.fingerprint, r.host_port, r.is_root).await?;
+        }
+        Ok(())
+    }
+
+    async fn follow_commits(&self, mut seen: crate::OnCommit) {
+        follow_commits(self.url.clone(), self.keys.commits_channel.clone(), move |p| {
+            seen(p.fingerprint, p.cursor, p.reset);
+        })
+        .await;
     }
 }

@@ -44,8 +44,8 @@ async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     std::fs::write(dir.join("cursors").join(format!("cursor-{FP}")), "12abc").expect("corrupt");
     assert!(matches!(s.read(FP).await, Ok(ReadOutcome::Corrupt(_))));
     assert_eq!(
-        s.commit(FP, checkpoint::MAX_CURSOR + 1, "b:2").await,
-        Err(StoreError::OutOfRange(checkpoint::MAX_CURSOR + 1))
+        s.commit(FP, checkpoint::MAX_SEQ + 1, "b:2").await,
+        Err(StoreError::OutOfRange(checkpoint::MAX_SEQ + 1))
     );
 }
 

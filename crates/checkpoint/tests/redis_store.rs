@@ -74,8 +74,8 @@ async fn commits_never_move_backwards_and_tokens_outlive_a_lost_fence_counter() 
     assert_eq!(s.commit(FP, 99, &t.holder()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     assert_eq!(s.commit(FP, 100, &t.holder()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     assert_eq!(
-        s.commit(FP, checkpoint::MAX_CURSOR + 1, &t.holder()).await,
-        Err(StoreError::OutOfRange(checkpoint::MAX_CURSOR + 1))
+        s.commit(FP, checkpoint::MAX_SEQ + 1, &t.holder()).await,
+        Err(StoreError::OutOfRange(checkpoint::MAX_SEQ + 1))
     );
     h.shutdown().await;
     // Redis loses the fence counter; the next token still exceeds every one a commit saw.

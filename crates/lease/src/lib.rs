@@ -12,6 +12,7 @@
 //! - [`backend`]: the store seam and its outcomes.
 //! - [`redis_backend`]: Redis, every operation one Lua script, keys under one hash tag.
 //! - [`local`]: one host, a lock file.
+//! - [`metrics`]: every metric the lease emits, defined once.
 //! - [`supervisor`]: the state machine, its events and its handle.
 //!
 //! Nothing here knows about relays or cursors.
@@ -20,6 +21,7 @@ pub mod backend;
 pub mod clock;
 pub mod config;
 pub mod local;
+pub mod metrics;
 pub mod redis_backend;
 pub mod supervisor;
 

@@ -382,7 +382,7 @@ enum LeadEnd {
 }
 
 fn transition(to: &'static str, reason: &'static str) {
-    metrics::counter!("firekeeper_lease_transitions_total", "to" => to, "reason" => reason).increment(1);
+    metrics::counter!(crate::metrics::TRANSITIONS, "to" => to, "reason" => reason).increment(1);
 }
 
 impl<B: Backend> Supervisor<B> {
@@ -673,7 +673,7 @@ impl<B: Backend> Supervisor<B> {
             () = sleep(term.remaining()) => return None,
             r = self.call(self.backend.renew(&self.instance, token, self.cfg.ttl)) => r,
         };
-        metrics::histogram!("firekeeper_lease_renew_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!(crate::metrics::RENEW_SECONDS).record(started.elapsed().as_secs_f64());
         // Replies are tied to the term they were sent for: a reply for an older epoch
         // (impossible here since the future dies with its term, but cheap to check) is
         // ignored rather than applied to the current term.
@@ -691,7 +691,7 @@ impl<B: Backend> Supervisor<B> {
             Ok(Renew::Retaken) => {
                 term.extend_to(sent + self.cfg.window());
                 *failing = false;
-                metrics::counter!("firekeeper_lease_retakes_total").increment(1);
+                metrics::counter!(crate::metrics::RETAKES).increment(1);
                 tracing::warn!(token, "lease key had vanished with the fence unchanged; retook it with the same token");
                 None
             }
@@ -706,7 +706,7 @@ impl<B: Backend> Supervisor<B> {
                     BackendError::Unavailable(_) => "unavailable",
                     BackendError::Protocol(_) => "protocol",
                 };
-                metrics::counter!("firekeeper_lease_renew_errors_total", "reason" => reason).increment(1);
+                metrics::counter!(crate::metrics::RENEW_ERRORS, "reason" => reason).increment(1);
                 if !std::mem::replace(failing, true) {
                     tracing::warn!(token, error = %e, remaining_ms = term.remaining().as_millis() as u64, "lease renewal failed; leading until the deadline");
                 }

@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
 /// Backoff settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BackoffConfig {
@@ -24,22 +27,20 @@ impl Default for BackoffConfig {
 pub struct Backoff {
     cfg: BackoffConfig,
     attempt: u32,
-    rng: u64,
+    rng: SmallRng,
 }
 
 impl Backoff {
-    /// A backoff seeded from the clock and the address of a stack value.
+    /// A backoff with its own randomly seeded jitter.
     #[must_use]
     pub fn new(cfg: BackoffConfig) -> Self {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-        let local = 0u8;
-        Self::with_seed(cfg, t ^ (std::ptr::addr_of!(local) as u64).rotate_left(32))
+        Self { cfg, attempt: 0, rng: SmallRng::from_rng(&mut rand::rng()) }
     }
 
     /// A deterministic backoff, for tests.
     #[must_use]
     pub fn with_seed(cfg: BackoffConfig, seed: u64) -> Self {
-        Self { cfg, attempt: 0, rng: seed | 1 }
+        Self { cfg, attempt: 0, rng: SmallRng::seed_from_u64(seed) }
     }
 
     /// The nominal (un-jittered) delay of the next attempt.
@@ -53,14 +54,9 @@ impl Backoff {
     pub fn next_delay(&mut self) -> Duration {
         let d = self.nominal();
         self.attempt = self.attempt.saturating_add(1);
-        // xorshift64*: plenty for jitter.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
         let half = d / 2;
-        let span = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX).saturating_add(1);
-        half + Duration::from_nanos(r % span)
+        let span = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
+        half + Duration::from_nanos(self.rng.random_range(0..=span))
     }
 
     /// Failed attempts since the last reset.

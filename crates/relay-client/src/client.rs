@@ -19,6 +19,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_tungstenite::tungstenite::{self, Message as WsMessage, protocol::WebSocketConfig};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use yoke::Yoke;
 
 use crate::backoff::{Backoff, BackoffConfig};
 use crate::error::{ConnError, DecodeError, SubscribeError};
@@ -140,12 +141,11 @@ impl Default for ClientConfig {
     }
 }
 
-/// A validated binary frame that owns its bytes. Decode it again (cheap, and it cannot
-/// fail) to borrow its fields.
-#[derive(Debug, Clone)]
+/// A validated event frame that owns its bytes and keeps the message decoded from them:
+/// the frame is decoded once, here, and every later step borrows that decoding.
 pub struct OwnedFrame {
-    /// The WebSocket message, exactly as received.
-    pub bytes: Bytes,
+    /// The decoded message, borrowing from the frame's bytes (its cart).
+    message: Yoke<Message<'static>, Vec<u8>>,
     /// Its sequence number.
     pub seq: u64,
     /// The relay it came from.
@@ -153,9 +153,48 @@ pub struct OwnedFrame {
 }
 
 impl OwnedFrame {
-    /// Borrowed view of the frame.
-    pub fn decode(&self) -> Result<Frame<'_>, DecodeError> {
-        frame::decode(&self.bytes)
+    /// Decodes `bytes` into an owned frame; `None` unless it is a message with a seq
+    /// (error frames, `#info` and seq-less frames are not events).
+    pub fn decode_event(bytes: Vec<u8>, relay: RelayRole) -> Result<Option<Self>, DecodeError> {
+        let frame = Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(bytes, |b| frame::decode(b))?;
+        let seq = match frame.get() {
+            Frame::Message(m) => m.seq(),
+            Frame::Error(_) => None,
+        };
+        Ok(seq.and_then(|seq| Self::from_frame(frame, seq, relay)))
+    }
+
+    fn from_frame(frame: Yoke<Frame<'static>, Vec<u8>>, seq: u64, relay: RelayRole) -> Option<Self> {
+        let message = frame
+            .try_map_project(|f, _| match f {
+                Frame::Message(m) => Ok(m),
+                Frame::Error(_) => Err(()),
+            })
+            .ok()?;
+        Some(Self { message, seq, relay })
+    }
+
+    /// The decoded message.
+    #[must_use]
+    pub fn message(&self) -> &Message<'_> {
+        self.message.get()
+    }
+
+    /// The WebSocket message, exactly as received.
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        self.message.backing_cart()
+    }
+}
+
+impl fmt::Debug for OwnedFrame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedFrame")
+            .field("seq", &self.seq)
+            .field("relay", &self.relay)
+            .field("kind", &self.message().kind())
+            .field("len", &self.bytes().len())
+            .finish()
     }
 }
 
@@ -236,7 +275,7 @@ pub enum SwitchReason {
 }
 
 /// One thing from the subscription.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Item {
     /// The next event, seq strictly greater than every earlier one from this relay.
     Frame(OwnedFrame),
@@ -644,11 +683,14 @@ impl Subscription {
             self.oversize_probe = false;
             return self.bad_frame(peek_seq(&bytes), DecodeError::TooLarge { size: bytes.len(), max });
         }
-        let decoded = match frame::decode(&bytes) {
-            Ok(f) => f,
-            Err(error) => return self.bad_frame(peek_seq(&bytes), error),
+        // Decoded once: the event keeps this decoding beside its bytes.
+        let decoded = match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(Vec::from(bytes), |b| {
+            frame::decode(b).map_err(|e| (e, peek_seq(b)))
+        }) {
+            Ok(y) => y,
+            Err((error, seq)) => return self.bad_frame(seq, error),
         };
-        let (seq, kind) = match decoded {
+        let (seq, kind) = match decoded.get() {
             Frame::Error(e) => return self.on_error_frame(e.error, e.message),
             Frame::Message(Message::Info(i)) => {
                 let message = i.message.map(str::to_owned);
@@ -693,7 +735,7 @@ impl Subscription {
             return Ok(None);
         }
         self.stats.frames += 1;
-        Ok(Some(Item::Frame(OwnedFrame { bytes, seq, relay })))
+        Ok(OwnedFrame::from_frame(decoded, seq, relay).map(Item::Frame))
     }
 
     /// Applies the bad-frame policy. A frame at or below the last delivered seq is a

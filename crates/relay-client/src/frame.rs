@@ -11,7 +11,7 @@ use crate::error::{CborError, DecodeError};
 pub const MAX_SEQ: u64 = (1 << 53) - 1;
 
 /// One decoded frame.
-#[derive(Debug)]
+#[derive(Debug, yoke::Yokeable)]
 pub enum Frame<'a> {
     /// `op = 1`: a message of some type.
     Message(Message<'a>),
@@ -28,8 +28,9 @@ pub struct ErrorFrame<'a> {
     pub message: Option<&'a str>,
 }
 
-/// The message types of `subscribeRepos`.
-#[derive(Debug)]
+/// The message types of `subscribeRepos`. `Yokeable` lets a frame's owner keep the
+/// decoded message beside its bytes (see [`crate::OwnedFrame`]): decoded once.
+#[derive(Debug, yoke::Yokeable)]
 pub enum Message<'a> {
     /// `#commit`: a repo commit with its ops and CAR blocks.
     Commit(Commit<'a>),
@@ -64,16 +65,38 @@ impl Message<'_> {
         }
     }
 
-    /// The header's `t`.
+    /// The header's `t` (the unknown type's own name for [`Message::Unknown`]).
     #[must_use]
-    pub fn kind(&self) -> &str {
+    pub fn type_name(&self) -> &str {
         match self {
-            Self::Commit(_) => "#commit",
-            Self::Sync(_) => "#sync",
-            Self::Identity(_) => "#identity",
-            Self::Account(_) => "#account",
-            Self::Info(_) => "#info",
             Self::Unknown { t, .. } => t,
+            m => m.kind().as_str(),
+        }
+    }
+
+    /// The message type, as a static tag for metrics, sinks and dispatch.
+    #[must_use]
+    pub fn kind(&self) -> Kind {
+        match self {
+            Self::Commit(_) => Kind::Commit,
+            Self::Sync(_) => Kind::Sync,
+            Self::Identity(_) => Kind::Identity,
+            Self::Account(_) => Kind::Account,
+            Self::Info(_) => Kind::Info,
+            Self::Unknown { .. } => Kind::Unknown,
+        }
+    }
+
+    /// When the relay (or PDS) emitted the event, as the RFC 3339 string it sent; `#info`
+    /// and unknown types carry none.
+    #[must_use]
+    pub fn time(&self) -> Option<&str> {
+        match self {
+            Self::Commit(c) => Some(c.time),
+            Self::Sync(s) => Some(s.time),
+            Self::Identity(i) => Some(i.time),
+            Self::Account(a) => Some(a.time),
+            Self::Info(_) | Self::Unknown { .. } => None,
         }
     }
 
@@ -86,6 +109,38 @@ impl Message<'_> {
             Self::Identity(i) => Some(i.did),
             Self::Account(a) => Some(a.did),
             Self::Info(_) | Self::Unknown { .. } => None,
+        }
+    }
+}
+
+/// The type of a message, without its body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// `#commit`.
+    Commit,
+    /// `#sync`.
+    Sync,
+    /// `#identity`.
+    Identity,
+    /// `#account`.
+    Account,
+    /// `#info`.
+    Info,
+    /// A type this version does not know.
+    Unknown,
+}
+
+impl Kind {
+    /// The header's `t` spelling (`#unknown` for unknown types).
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Commit => "#commit",
+            Self::Sync => "#sync",
+            Self::Identity => "#identity",
+            Self::Account => "#account",
+            Self::Info => "#info",
+            Self::Unknown => "#unknown",
         }
     }
 }

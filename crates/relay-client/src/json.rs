@@ -164,23 +164,27 @@ pub fn write_frame(frame: &Frame<'_>, verify_blocks: bool, out: &mut String) -> 
 
 /// [`write_frame`] with filtering and lossy record handling.
 pub fn write_frame_with(frame: &Frame<'_>, opts: &FrameOptions<'_>, out: &mut String) -> Result<Written, DecodeError> {
-    let mut written = Written::default();
-    let m = match frame {
+    match frame {
         Frame::Error(e) => {
             out.push_str("{\"op\":-1");
             field_str(out, "error", e.error);
             field_opt_str(out, "message", e.message);
             out.push('}');
-            return Ok(written);
+            Ok(Written::default())
         }
-        Frame::Message(m) => m,
-    };
+        Frame::Message(m) => write_message_with(m, opts, out),
+    }
+}
+
+/// Appends the one-line JSON form of a message (an `op = 1` frame); see [`write_frame_with`].
+pub fn write_message_with(m: &Message<'_>, opts: &FrameOptions<'_>, out: &mut String) -> Result<Written, DecodeError> {
+    let mut written = Written::default();
     out.push('{');
     if let Some(seq) = m.seq() {
         let _ = write!(out, "\"seq\":{seq},");
     }
     out.push_str("\"type\":");
-    write_str(m.kind(), out);
+    write_str(m.type_name(), out);
     out.push_str(",\"op\":1");
     match m {
         Message::Commit(c) => {

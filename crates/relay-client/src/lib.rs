@@ -7,6 +7,7 @@
 //! - [`car`]: a `CARv1` slice reader for commit `blocks`.
 //! - [`frame`]: `subscribeRepos` frames decoded into borrowed structs.
 //! - [`json`]: records and frames in the atproto JSON data model.
+//! - [`capture`]: the capture file format (length-prefixed frames).
 //! - [`client`]: the WebSocket connection loop with reconnect, backoff, stall detection
 //!   and primary/secondary failover.
 //!
@@ -14,6 +15,7 @@
 //! gets frames back, in order, with duplicates dropped.
 
 pub mod backoff;
+pub mod capture;
 pub mod car;
 pub mod cbor;
 pub mod cid;
@@ -25,5 +27,5 @@ pub mod relay_url;
 
 pub use client::{ClientConfig, Item, Notice, OwnedFrame, RelayRole, Subscription};
 pub use error::{CborError, CidError, ConnError, DecodeError, SubscribeError, UrlError};
-pub use frame::{Frame, Message, decode};
+pub use frame::{Frame, Kind, MAX_SEQ, Message, decode};
 pub use relay_url::RelayUrl;

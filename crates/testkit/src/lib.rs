@@ -30,6 +30,48 @@ pub fn fixture(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
 }
 
+/// How long any test waits for a condition before failing: generous, because the
+/// machines are small and shared; tests wait on conditions, never on fixed sleeps.
+pub const WAIT: std::time::Duration = std::time::Duration::from_secs(90);
+
+/// The frames of the fixture capture `fixtures/pds-capture.frames`.
+///
+/// # Panics
+/// When the fixture is missing or corrupt.
+#[must_use]
+pub fn fixture_frames() -> Vec<bytes_compat::Bytes> {
+    relay_client::capture::read(&fixture("pds-capture.frames")).expect("fixtures/pds-capture.frames")
+}
+
+/// Re-export so callers name the frame type without depending on `bytes` themselves.
+pub mod bytes_compat {
+    pub use relay_client::capture::Bytes;
+}
+
+/// A fresh empty directory under the system temp dir, unique per process and call.
+///
+/// # Panics
+/// When it cannot be created.
+#[must_use]
+pub fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("fk-{name}-{}-{}", std::process::id(), free_port()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("tmp");
+    d
+}
+
+/// Polls `f` every 20 ms until it is true, failing with `what` after `timeout`.
+///
+/// # Panics
+/// When `f` stays false for `timeout`.
+pub async fn eventually(what: &str, timeout: std::time::Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !f().await {
+        assert!(std::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// A `redis-server` child process owned by one test.
 pub struct RedisServer {
     port: u16,

@@ -1,0 +1,70 @@
+//! The seam between the consumer and a cursor store, as `lease::Backend` is for leases:
+//! Redis, files and Postgres implement it, and an embedder may bring its own.
+
+use async_trait::async_trait;
+
+use crate::cursor::{CommitOutcome, ReadOutcome, StoreError};
+
+/// Who is writing: the term's whole lease value and its fencing token. Stores that can
+/// see the lease (Redis, files) fence on `holder`; a store that cannot (Postgres) fences
+/// on `token` being the highest it has seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence<'a> {
+    /// `<instance>:<token>`, the lease value of the term.
+    pub holder: &'a str,
+    /// The term's fencing token.
+    pub token: u64,
+}
+
+/// A relay as a store may need it on election (legacy host-keyed cursors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelayKey<'a> {
+    /// The relay fingerprint: the key cursors are stored under.
+    pub fingerprint: &'a str,
+    /// `host:port`, the key of legacy cursors.
+    pub host_port: &'a str,
+    /// The URL has no path, so a legacy host key is unambiguous.
+    pub is_root: bool,
+}
+
+/// Called for each cursor any replica commits: `(fingerprint, cursor, reset)`, where a
+/// reset replaces and a commit only moves forward.
+pub type OnCommit = Box<dyn FnMut(&str, u64, bool) + Send>;
+
+/// A place to keep relay cursors that only the current term can move.
+#[async_trait]
+pub trait CursorStore: Send + Sync + 'static {
+    /// `redis`, `file`, `postgres`, …: for logs.
+    fn name(&self) -> &'static str;
+
+    /// A relay's cursor. `Unavailable` is an error, never a guess.
+    async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError>;
+
+    /// Fenced, monotonic commit: `NotNewer` for a cursor at or below the stored one.
+    async fn commit(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError>;
+
+    /// Fenced rewind: may set a lower cursor (an accepted gap, or where a fresh
+    /// deployment started).
+    async fn reset(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError>;
+
+    /// Operator override, unfenced (`firekeeper cursor set`).
+    async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError>;
+
+    /// Called once per term before any cursor is read: migrate legacy keys, claim the
+    /// fence. An error other than `Unavailable` ends the term.
+    async fn on_elected(&self, _fence: Fence<'_>, _relays: &[RelayKey<'_>]) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// The highest token this store has seen, if it keeps one: the lease seeds its
+    /// counter above it at startup, so a lease store that lost its counter cannot issue
+    /// tokens this store would refuse.
+    async fn fence_floor(&self) -> Result<Option<u64>, StoreError> {
+        Ok(None)
+    }
+
+    /// Follows every replica's commits until dropped, where the store publishes them,
+    /// so a process resumes from the last commit it saw if the store later loses it.
+    /// Stores without such a feed return at once.
+    async fn follow_commits(&self, _seen: OnCommit) {}
+}
