@@ -1,0 +1,83 @@
+//! Why a consumer stopped.
+
+use checkpoint::StoreError;
+use checkpoint::watermark::WatermarkError;
+use relay_client::{RelayRole, SubscribeError};
+
+/// Why [`crate::Consumer::run`] returned an error.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The builder is missing a part or holds a bad value.
+    #[error("consumer not configured: {0}")]
+    Config(String),
+    /// The lease timings are invalid.
+    #[error(transparent)]
+    Lease(#[from] lease::ConfigError),
+    /// The lease fence could not be seeded from the cursor store at startup.
+    #[error("seeding the lease fence from the cursor store: {0}")]
+    SeedFence(String),
+    /// A condition an operator must fix; the cursor stays before it.
+    #[error(transparent)]
+    Fatal(#[from] Fatal),
+    /// A voluntary step-down did not end in a clean release.
+    #[error("step-down was not clean: {0}")]
+    StepDown(#[from] lease::StepDownError),
+}
+
+/// A condition that ends the term and the consumer: retrying cannot fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum Fatal {
+    /// The relay rejected the cursor as ahead of its stream.
+    #[error("{0}; set FIREKEEPER_FUTURE_CURSOR=live to accept the gap, or fix the cursor with `firekeeper cursor set`")]
+    FutureCursor(SubscribeError),
+    /// A frame could not be decoded or is over the size limit (bad-frame policy `fail`).
+    #[error(transparent)]
+    BadFrame(SubscribeError),
+    /// The subscription ended although nobody closed it.
+    #[error("relay subscription closed unexpectedly")]
+    Closed,
+    /// The store has no cursor although earlier terms existed.
+    #[error(
+        "no stored cursor for the {role} relay ({fingerprint}), but earlier terms existed (this term's token is \
+         {token}): the cursor store lost it. Refusing to start from the live tail. Set the cursor to resume after \
+         with `firekeeper cursor set <seq>` (the live head to accept the gap), then restart"
+    )]
+    CursorLost {
+        /// Which relay.
+        role: RelayRole,
+        /// Its fingerprint.
+        fingerprint: String,
+        /// This term's token.
+        token: u64,
+    },
+    /// Reading a cursor failed with something other than unavailability.
+    #[error("reading the {role} cursor: {source}")]
+    ReadCursor {
+        /// Which relay.
+        role: RelayRole,
+        /// The store's error.
+        source: StoreError,
+    },
+    /// A legacy cursor cannot be migrated without an operator's decision.
+    #[error(transparent)]
+    LegacyAmbiguous(StoreError),
+    /// The store refused the new term.
+    #[error("cursor store refused the new term: {0}")]
+    Elected(StoreError),
+    /// A fenced rewind failed.
+    #[error("resetting the cursor to {cursor}: {source}")]
+    Reset {
+        /// The cursor it tried to set.
+        cursor: u64,
+        /// The store's error.
+        source: StoreError,
+    },
+    /// A bug: the watermark refused a delivery (skipping it would lose the event).
+    #[error("internal: the watermark refused seq {seq}: {error}")]
+    Watermark {
+        /// The seq.
+        seq: u64,
+        /// Why.
+        error: WatermarkError,
+    },
+}

@@ -1,0 +1,211 @@
+//! What the consumer hands out: typed events in batches, to a [`Handler`] that accepts a
+//! batch (the cursor may then move past it) or refuses it.
+
+use async_trait::async_trait;
+use lease::Term;
+use relay_client::json::{FrameOptions, Written, write_message_with};
+use relay_client::{Kind, Message, OwnedFrame, RelayRole};
+use tokio_util::sync::CancellationToken;
+
+/// One event: a validated frame, decoded once by the relay client, with its atproto JSON
+/// rendering when the handler asked for it.
+#[derive(Debug)]
+pub struct Event {
+    frame: OwnedFrame,
+    json: Option<String>,
+}
+
+impl Event {
+    /// Wraps a frame (for handler tests: see [`Event::from_bytes`]).
+    #[must_use]
+    pub fn new(frame: OwnedFrame) -> Self {
+        Self { frame, json: None }
+    }
+
+    /// Decodes a frame as a relay sent it; `None` for frames that are not events (error
+    /// frames, `#info`). For tests of handlers.
+    pub fn from_bytes(bytes: &[u8], relay: RelayRole) -> Result<Option<Self>, relay_client::DecodeError> {
+        Ok(OwnedFrame::decode_event(bytes.to_vec(), relay)?.map(Self::new))
+    }
+
+    /// The relay's sequence number.
+    #[must_use]
+    pub fn seq(&self) -> u64 {
+        self.frame.seq
+    }
+
+    /// The relay it came from.
+    #[must_use]
+    pub fn relay(&self) -> RelayRole {
+        self.frame.relay
+    }
+
+    /// `#commit`, `#identity`, …
+    #[must_use]
+    pub fn kind(&self) -> Kind {
+        self.message().kind()
+    }
+
+    /// The repo the event is about; events of one repo reach the handler in seq order.
+    #[must_use]
+    pub fn did(&self) -> Option<&str> {
+        self.message().did()
+    }
+
+    /// When the event was emitted (RFC 3339, as the relay sent it).
+    #[must_use]
+    pub fn time(&self) -> Option<&str> {
+        self.message().time()
+    }
+
+    /// The decoded message, borrowing from the frame.
+    #[must_use]
+    pub fn message(&self) -> &Message<'_> {
+        self.frame.message()
+    }
+
+    /// The frame exactly as the relay sent it.
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        self.frame.bytes()
+    }
+
+    /// The event in the atproto JSON data model (the collection filter applied), when the
+    /// handler's [`Handler::wants_json`] is true; else `None` (use [`Event::render_json`]).
+    #[must_use]
+    pub fn json(&self) -> Option<&str> {
+        self.json.as_deref()
+    }
+
+    /// Appends the event in the atproto JSON data model, all ops, records included.
+    pub fn render_json(&self, out: &mut String) -> Written {
+        render(self.message(), &Render { verify_blocks: false, filter: None }, out)
+    }
+
+    pub(crate) fn set_json(&mut self, json: String) {
+        self.json = Some(json);
+    }
+}
+
+/// How the lane renders events for a handler that wants JSON.
+#[derive(Debug, Clone)]
+pub(crate) struct Render {
+    pub(crate) verify_blocks: bool,
+    pub(crate) filter: Option<CollectionFilter>,
+}
+
+/// Renders with bad records as `null` plus a `recordError` (one bad record must not
+/// hold back the stream); with lossy records the rendering cannot fail.
+pub(crate) fn render(m: &Message<'_>, r: &Render, out: &mut String) -> Written {
+    let keep = |op: &relay_client::frame::RepoOp<'_>| r.filter.as_ref().is_none_or(|f| f.wants(op.collection()));
+    let opts = FrameOptions {
+        verify_blocks: r.verify_blocks,
+        keep_op: r.filter.is_some().then_some(&keep as &dyn Fn(&relay_client::frame::RepoOp<'_>) -> bool),
+        lossy_records: true,
+    };
+    write_message_with(m, &opts, out).unwrap_or_default()
+}
+
+/// Collection filters: exact NSIDs or `prefix.*`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectionFilter(Vec<String>);
+
+impl CollectionFilter {
+    /// A filter from entries; `Err` names the first entry that is not an NSID or
+    /// `prefix.*`.
+    pub fn new<S: Into<String>>(entries: impl IntoIterator<Item = S>) -> Result<Option<Self>, String> {
+        let entries: Vec<String> = entries.into_iter().map(Into::into).collect();
+        for c in &entries {
+            let body = c.strip_suffix(".*").unwrap_or(c);
+            if body.is_empty() || !body.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '.' || ch == '-') {
+                return Err(c.clone());
+            }
+        }
+        Ok((!entries.is_empty()).then_some(Self(entries)))
+    }
+
+    /// True when one of the entries matches.
+    #[must_use]
+    pub fn wants(&self, collection: &str) -> bool {
+        self.0.iter().any(|f| match f.strip_suffix(".*") {
+            Some(prefix) => collection.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.')),
+            None => f == collection,
+        })
+    }
+
+    /// True when the filter drops the whole message: a commit with ops, none wanted.
+    #[must_use]
+    pub fn drops(&self, m: &Message<'_>) -> bool {
+        matches!(m, Message::Commit(c) if !c.ops.is_empty() && !c.ops.iter().any(|op| self.wants(op.collection())))
+    }
+
+    /// The entries.
+    #[must_use]
+    pub fn entries(&self) -> &[String] {
+        &self.0
+    }
+}
+
+/// Context of a batch.
+#[derive(Debug, Clone)]
+pub struct BatchCtx {
+    /// The term's fencing token: carry it on every external write.
+    pub token: u64,
+    /// The relay the batch came from.
+    pub relay: RelayRole,
+    /// The relay fingerprint (the cursor's key).
+    pub fingerprint: String,
+    /// Fires when the term ends: stop waiting.
+    pub cancel: CancellationToken,
+    /// The term itself: nothing may be written once its deadline has passed.
+    pub term: Term,
+}
+
+impl BatchCtx {
+    /// `Err(Cancelled)` once the term's deadline has passed: call it right before each
+    /// externally visible write, after any wait that may have outlasted the term.
+    pub fn ensure_active(&self) -> Result<(), HandlerError> {
+        if self.term.is_active() { Ok(()) } else { Err(HandlerError::Cancelled) }
+    }
+}
+
+/// Why a batch was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// The destination refused our token: a newer term is writing. Ends the term.
+    #[error("sink refused the fencing token: a newer term is writing")]
+    Fenced,
+    /// The term ended before the batch was written. Ends the term.
+    #[error("term ended before the batch was written")]
+    Cancelled,
+    /// Anything else: retried with backoff while the term lasts.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Where events go. Batches of one lane arrive in seq order, one at a time; events of
+/// one repo always share a lane. The cursor moves past an event only after the batch
+/// holding it returned `Ok`.
+#[async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// Takes one batch. `Failed` is retried (the same batch, with backoff) until the term
+    /// ends; `Fenced` and `Cancelled` end the term.
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError>;
+
+    /// True when the handler reads [`Event::json`]: the lane then renders each event
+    /// once, with the collection filter applied. Rendering is most of the per-event cost.
+    fn wants_json(&self) -> bool {
+        false
+    }
+
+    /// The largest batch to hand over.
+    fn max_batch(&self) -> usize {
+        512
+    }
+
+    /// True when the handler commits the cursor itself, in the same transaction as its
+    /// writes (the consumer then runs one lane and never commits on its own).
+    fn commits_cursor(&self) -> bool {
+        false
+    }
+}

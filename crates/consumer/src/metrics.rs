@@ -1,0 +1,64 @@
+//! Every metric the consumer emits, defined once (name, kind, help, first labels).
+
+pub use lease::metrics::{Metric, MetricKind, register};
+
+/// Events handed to the handler, by type.
+pub const EVENTS: &str = "firekeeper_events_total";
+/// Cursor commits, by outcome.
+pub const COMMITS: &str = "firekeeper_commits_total";
+/// Relay connections that ended, by relay and reason.
+pub const RECONNECTS: &str = "firekeeper_reconnects_total";
+/// Relay switches, by target and kind.
+pub const RELAY_SWITCHES: &str = "firekeeper_relay_switches_total";
+/// Error frames from the relay, by error name.
+pub const ERROR_FRAMES: &str = "firekeeper_error_frames_total";
+/// Undecodable frames, by reason and action.
+pub const BAD_FRAMES: &str = "firekeeper_bad_frames_total";
+/// Gaps accepted in the stream, by reason.
+pub const GAPS: &str = "firekeeper_gaps_total";
+/// Times the relay's seq went backwards.
+pub const SEQ_BACKWARDS: &str = "firekeeper_seq_backwards_total";
+/// `OutdatedCursor` notices.
+pub const OUTDATED_CURSOR: &str = "firekeeper_outdated_cursor_total";
+/// Records rendered as null because they could not be decoded.
+pub const RECORD_ERRORS: &str = "firekeeper_record_errors_total";
+/// Failed handler writes (retried).
+pub const SINK_ERRORS: &str = "firekeeper_sink_errors_total";
+/// 1 while this replica leads.
+pub const LEADER: &str = "firekeeper_leader";
+/// Age of the newest delivered event.
+pub const LAG_SECONDS: &str = "firekeeper_lag_seconds";
+/// Delivered minus committed seq.
+pub const LAG_SEQ: &str = "firekeeper_lag_seq";
+/// Events delivered and not yet done.
+pub const QUEUE_DEPTH: &str = "firekeeper_queue_depth";
+/// 1 while the leader consumes from the secondary relay.
+pub const ON_SECONDARY: &str = "firekeeper_relay_on_secondary";
+
+const fn counter(name: &'static str, help: &'static str, labels: &'static [(&'static str, &'static str)]) -> Metric {
+    Metric { name, kind: MetricKind::Counter, help, labels }
+}
+
+const fn gauge(name: &'static str, help: &'static str) -> Metric {
+    Metric { name, kind: MetricKind::Gauge, help, labels: &[] }
+}
+
+/// The consumer's metrics.
+pub const ALL: &[Metric] = &[
+    counter(EVENTS, "events handed to the sink, by type", &[("type", "#commit")]),
+    counter(COMMITS, "cursor commits, by outcome", &[("outcome", "saved")]),
+    counter(RECONNECTS, "relay connections that ended", &[("relay", "primary"), ("reason", "none")]),
+    counter(RELAY_SWITCHES, "relay switches", &[("to", "secondary"), ("kind", "failover")]),
+    counter(ERROR_FRAMES, "error frames from the relay", &[("error", "none")]),
+    counter(BAD_FRAMES, "undecodable frames", &[("reason", "none"), ("action", "skipped")]),
+    counter(GAPS, "gaps accepted in the stream", &[("reason", "future_cursor")]),
+    counter(SEQ_BACKWARDS, "times the relay's seq went backwards", &[]),
+    counter(OUTDATED_CURSOR, "OutdatedCursor notices (events were missed)", &[]),
+    counter(RECORD_ERRORS, "records that could not be decoded (written as null)", &[]),
+    counter(SINK_ERRORS, "failed sink writes (retried)", &[]),
+    gauge(LEADER, "1 while this replica leads"),
+    gauge(LAG_SECONDS, "age of the newest delivered event (relay time to now)"),
+    gauge(LAG_SEQ, "delivered minus committed seq"),
+    gauge(QUEUE_DEPTH, "events delivered and not yet done"),
+    gauge(ON_SECONDARY, "1 while the leader consumes from the secondary relay"),
+];

@@ -1,0 +1,151 @@
+//! What a running consumer reports about itself: a typed role and the figures `/status`
+//! and the summary line show.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lease::Term;
+use relay_client::RelayRole;
+use serde::Serialize;
+use tokio::sync::watch;
+
+/// Where this replica stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// Not yet contending.
+    #[default]
+    Starting,
+    /// Contending for the lease.
+    Standby,
+    /// Leading: consuming and committing.
+    Leader,
+    /// Leading while draining for a voluntary release.
+    SteppingDown,
+    /// The term's deadline passed and its loss is not yet announced: nothing is done.
+    Expired,
+    /// Exited.
+    Stopped,
+}
+
+impl Role {
+    /// The spelling `/status` uses.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Standby => "standby",
+            Self::Leader => "leader",
+            Self::SteppingDown => "stepping-down",
+            Self::Expired => "expired",
+            Self::Stopped => "stopped",
+        }
+    }
+}
+
+fn relay_name<S: serde::Serializer>(r: &Option<RelayRole>, s: S) -> Result<S::Ok, S::Error> {
+    match r {
+        Some(r) => s.serialize_str(r.as_str()),
+        None => s.serialize_none(),
+    }
+}
+
+/// A snapshot of the consumer.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Status {
+    /// The role.
+    pub role: Role,
+    /// This process's instance id.
+    pub instance: String,
+    /// The fencing token while leading.
+    pub token: Option<u64>,
+    /// The relay being consumed while leading.
+    #[serde(serialize_with = "relay_name")]
+    pub relay: Option<RelayRole>,
+    /// Its fingerprint.
+    pub fingerprint: Option<String>,
+    /// A relay connection is up.
+    pub connected: bool,
+    /// Last seq delivered to the handler.
+    pub last_seq: Option<u64>,
+    /// Last cursor committed.
+    pub committed: Option<u64>,
+    /// Age of the newest delivered event (relay time to now).
+    pub lag_seconds: Option<f64>,
+    /// Events delivered but not yet done.
+    pub in_flight: usize,
+}
+
+/// The shared status of one consumer: cheap to clone, read from any task.
+#[derive(Debug, Clone)]
+pub struct StatusHandle(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    status: watch::Sender<Status>,
+    term: Mutex<Option<Term>>,
+    events: AtomicU64,
+    ready: AtomicBool,
+}
+
+impl Default for StatusHandle {
+    fn default() -> Self {
+        Self(Arc::new(Inner {
+            status: watch::Sender::new(Status::default()),
+            term: Mutex::new(None),
+            events: AtomicU64::new(0),
+            ready: AtomicBool::new(false),
+        }))
+    }
+}
+
+impl StatusHandle {
+    /// The status as of now: `leader` or `stepping-down` only while the term is active,
+    /// else `expired` (a process that just woke from a freeze has stopped acting before
+    /// its supervisor announced the loss).
+    #[must_use]
+    pub fn snapshot(&self) -> Status {
+        let mut s = self.0.status.borrow().clone();
+        let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
+        if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {
+            s.role = Role::Expired;
+        }
+        s
+    }
+
+    /// A watch on the raw status (changes at each role change and commit tick).
+    #[must_use]
+    pub fn watch(&self) -> watch::Receiver<Status> {
+        self.0.status.subscribe()
+    }
+
+    /// True once the consumer contends for the lease (`/readyz`).
+    #[must_use]
+    pub fn is_ready(&self) -> bool {
+        self.0.ready.load(Ordering::Relaxed)
+    }
+
+    /// Events handed to the handler by this process.
+    #[must_use]
+    pub fn events(&self) -> u64 {
+        self.0.events.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn update(&self, f: impl FnOnce(&mut Status)) {
+        self.0.status.send_modify(f);
+    }
+
+    pub(crate) fn set_ready(&self) {
+        self.0.ready.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_events(&self, n: u64) {
+        self.0.events.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_term(&self, t: Option<Term>) {
+        if let Ok(mut g) = self.0.term.lock() {
+            *g = t;
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! The built-in [`Handler`]s. Each write is one batch, in seq order for its lane; a batch
+//! is done (and may count towards the cursor) only when its write returned `Ok`. Every
+//! handler checks the term's deadline right before its externally visible action (after
+//! any wait for a lock, before a request or a `COMMIT`), so a process that froze or
+//! waited past its deadline writes nothing.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use checkpoint::{CommitOutcome, PostgresStore};
+use consumer::{BatchCtx, Event, Handler, HandlerError};
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::Mutex;
+
+/// The schema of the Postgres sink's events table.
+pub const EVENTS_MIGRATION: &str = include_str!("../../../migrations/0002_events.sql");
+
+/// Why a sink could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The JSON lines file could not be opened.
+    #[error("opening {path}: {source}")]
+    File {
+        /// The path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Postgres could not be reached or refused the schema.
+    #[error("{what}: {source}")]
+    Postgres {
+        /// The step that failed.
+        what: &'static str,
+        /// Why.
+        source: tokio_postgres::Error,
+    },
+    /// The HTTP client could not be built.
+    #[error("webhook client: {0}")]
+    Http(#[from] reqwest::Error),
+}
+
+/// The JSON line of an event: `{"seq","relay","token","event"}`.
+pub fn line(e: &Event, ctx: &BatchCtx, out: &mut String) {
+    use std::fmt::Write as _;
+    let _ = write!(out, "{{\"seq\":{},\"relay\":\"{}\",\"token\":{},\"event\":", e.seq(), ctx.relay, ctx.token);
+    match e.json() {
+        Some(j) => out.push_str(j),
+        None => {
+            e.render_json(out);
+        }
+    }
+    out.push_str("}\n");
+}
+
+fn lines(batch: &[Event], ctx: &BatchCtx) -> String {
+    let mut buf = String::with_capacity(batch.iter().map(|e| e.json().map_or(0, str::len) + 64).sum());
+    for e in batch {
+        line(e, ctx, &mut buf);
+    }
+    buf
+}
+
+/// One JSON line per event, to stdout or a file (appended).
+pub struct Jsonl(Mutex<BufWriter<Box<dyn AsyncWrite + Unpin + Send>>>);
+
+impl Jsonl {
+    /// Lines on stdout.
+    #[must_use]
+    pub fn stdout() -> Self {
+        Self::to(Box::new(tokio::io::stdout()))
+    }
+
+    /// Lines appended to `path`.
+    pub async fn open(path: &str) -> Result<Self, OpenError> {
+        let f = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .await
+            .map_err(|source| OpenError::File { path: path.to_owned(), source })?;
+        Ok(Self::to(Box::new(f)))
+    }
+
+    /// Lines to any writer.
+    #[must_use]
+    pub fn to(w: Box<dyn AsyncWrite + Unpin + Send>) -> Self {
+        Self(Mutex::new(BufWriter::new(w)))
+    }
+}
+
+#[async_trait]
+impl Handler for Jsonl {
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let buf = lines(batch, ctx);
+        let mut w = self.0.lock().await;
+        // Waiting for the lock may have outlasted the term (another lane was writing, or
+        // the process was frozen).
+        ctx.ensure_active()?;
+        w.write_all(buf.as_bytes()).await.map_err(|e| HandlerError::Failed(format!("jsonl write: {e}")))?;
+        w.flush().await.map_err(|e| HandlerError::Failed(format!("jsonl flush: {e}")))
+    }
+
+    fn wants_json(&self) -> bool {
+        true
+    }
+}
+
+/// Batched POSTs of JSON lines, with the token in `x-firekeeper-token`.
+pub struct Webhook {
+    client: reqwest::Client,
+    url: String,
+    batch: usize,
+}
+
+impl Webhook {
+    /// POSTs of at most `batch` events to `url` (never logged), each bounded by `timeout`.
+    /// Redirects are not followed: a 301/302/303 would turn the POST into a body-less GET
+    /// whose 2xx proves nothing.
+    pub fn new(url: &str, batch: usize, timeout: Duration) -> Result<Self, OpenError> {
+        let client = reqwest::Client::builder().timeout(timeout).redirect(reqwest::redirect::Policy::none()).build()?;
+        Ok(Self { client, url: url.to_owned(), batch: batch.max(1) })
+    }
+}
+
+/// A redirect target for a log line: scheme, host and path only (no credentials, no
+/// query string, which may carry tokens).
+fn redact_location(l: &str) -> String {
+    match url::Url::parse(l) {
+        Ok(u) => format!("{}://{}{}", u.scheme(), u.host_str().unwrap_or(""), u.path()),
+        Err(_) => l.split(['?', '#']).next().unwrap_or("").rsplit('@').next().unwrap_or("").to_owned(),
+    }
+}
+
+#[async_trait]
+impl Handler for Webhook {
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let body = lines(batch, ctx);
+        ctx.ensure_active()?;
+        let resp = self
+            .client
+            .post(&self.url)
+            .header("content-type", "application/x-ndjson")
+            .header("x-firekeeper-token", ctx.token)
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| HandlerError::Failed(format!("webhook: {}", e.without_url())))?;
+        let status = resp.status();
+        if status.is_success() {
+            Ok(())
+        } else if status.is_redirection() {
+            Err(HandlerError::Failed(format!(
+                "webhook answered HTTP {} (redirect to {:?}); redirects are not followed: point \
+                 FIREKEEPER_WEBHOOK_URL at the final address",
+                status.as_u16(),
+                resp.headers().get("location").and_then(|l| l.to_str().ok()).map(redact_location)
+            )))
+        } else {
+            Err(HandlerError::Failed(format!("webhook answered HTTP {}", status.as_u16())))
+        }
+    }
+
+    fn wants_json(&self) -> bool {
+        true
+    }
+
+    fn max_batch(&self) -> usize {
+        self.batch
+    }
+}
+
+/// Rows in `firekeeper_events`, with the cursor committed in the same transaction and
+/// fenced by the token.
+pub struct Postgres(Mutex<tokio_postgres::Client>);
+
+impl Postgres {
+    /// Connects and applies the cursor and events schemas.
+    pub async fn connect(url: &str) -> Result<Self, OpenError> {
+        let pg = |what| move |source| OpenError::Postgres { what, source };
+        let (client, conn) =
+            tokio_postgres::connect(url, tokio_postgres::NoTls).await.map_err(pg("connecting to DATABASE_URL"))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::error!(error = %e, "postgres sink connection ended");
+            }
+        });
+        Self::with_client(client).await
+    }
+
+    /// Uses a connected client (its connection task is the caller's).
+    pub async fn with_client(client: tokio_postgres::Client) -> Result<Self, OpenError> {
+        let pg = |what| move |source| OpenError::Postgres { what, source };
+        client.batch_execute(checkpoint::postgres_store::MIGRATION).await.map_err(pg("cursor schema"))?;
+        client.batch_execute(EVENTS_MIGRATION).await.map_err(pg("events schema"))?;
+        Ok(Self(Mutex::new(client)))
+    }
+}
+
+#[async_trait]
+impl Handler for Postgres {
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let mut c = self.0.lock().await;
+        pg_write(&mut c, batch, ctx).await
+    }
+
+    fn wants_json(&self) -> bool {
+        true
+    }
+
+    fn commits_cursor(&self) -> bool {
+        true
+    }
+}
+
+async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+    let pg = |e: tokio_postgres::Error| HandlerError::Failed(format!("postgres: {e}"));
+    let Some(last) = batch.last() else { return Ok(()) };
+    let tx = c.transaction().await.map_err(pg)?;
+    let seqs: Vec<i64> = batch.iter().map(|e| i64::try_from(e.seq()).unwrap_or(i64::MAX)).collect();
+    let kinds: Vec<&str> = batch.iter().map(|e| e.kind().as_str()).collect();
+    let dids: Vec<Option<&str>> = batch.iter().map(Event::did).collect();
+    let rendered: Vec<String> = batch
+        .iter()
+        .filter(|e| e.json().is_none())
+        .map(|e| {
+            let mut s = String::new();
+            e.render_json(&mut s);
+            s
+        })
+        .collect();
+    let mut own = rendered.iter();
+    let bodies: Vec<&str> =
+        batch.iter().map(|e| e.json().unwrap_or_else(|| own.next().map_or("null", String::as_str))).collect();
+    let token = i64::try_from(ctx.token).unwrap_or(i64::MAX);
+    tx.execute(
+        "INSERT INTO firekeeper_events (relay, seq, token, kind, did, body)
+         SELECT $1, s, $2, k, d, b::jsonb FROM UNNEST($3::bigint[], $4::text[], $5::text[], $6::text[]) AS t(s, k, d, b)
+         ON CONFLICT (relay, seq) DO NOTHING",
+        &[&ctx.fingerprint, &token, &seqs, &kinds, &dids, &bodies],
+    )
+    .await
+    .map_err(pg)?;
+    match PostgresStore::commit_in(&tx, &ctx.fingerprint, last.seq(), ctx.token).await {
+        Ok(CommitOutcome::Fenced { .. }) => {
+            let _ = tx.rollback().await;
+            Err(HandlerError::Fenced)
+        }
+        Ok(_) => match ctx.ensure_active() {
+            Ok(()) => tx.commit().await.map_err(pg),
+            // The transaction may have waited on a lock past the term's deadline.
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        },
+        Err(e) => Err(HandlerError::Failed(e.to_string())),
+    }
+}
+
+/// Discards every batch (benchmarks, and trying the consumer out).
+pub struct Null;
+
+#[async_trait]
+impl Handler for Null {
+    async fn handle(&self, _batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

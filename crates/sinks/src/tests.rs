@@ -1,0 +1,144 @@
+//! Each sink writes nothing once the term's deadline has passed, even when it passed
+//! while the write waited (for a lock, a table lock).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use consumer::{BatchCtx, Event, Handler, HandlerError};
+use lease::{LeaseConfig, LeaseEvent, LocalBackend, OffsetClock};
+use relay_client::RelayRole;
+
+use super::*;
+
+async fn term_with(clock: Arc<OffsetClock>, dir: &std::path::Path) -> (lease::LeaseHandle, BatchCtx) {
+    let backend = Arc::new(LocalBackend::new(&dir.join("lease.lock")));
+    let (h, mut ev) =
+        lease::spawn_as(backend, LeaseConfig::from_ttl(Duration::from_secs(10)), clock, "t").expect("cfg");
+    let Some(LeaseEvent::Elected(term)) = ev.recv().await else { panic!("not elected") };
+    let ctx = BatchCtx {
+        token: term.token(),
+        relay: RelayRole::Primary,
+        fingerprint: "fp".into(),
+        cancel: term.cancellation(),
+        term,
+    };
+    (h, ctx)
+}
+
+/// Two events of the fixture.
+fn events(n: usize) -> Vec<Event> {
+    testkit::fixture_frames()
+        .iter()
+        .filter_map(|b| Event::from_bytes(b, RelayRole::Primary).expect("fixture decodes"))
+        .take(n)
+        .collect()
+}
+
+fn jsonl(path: &std::path::Path) -> Jsonl {
+    let f = std::fs::File::create(path).expect("create");
+    Jsonl::to(Box::new(tokio::fs::File::from_std(f)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_waited_for_the_jsonl_lock_past_the_deadline_writes_nothing() {
+    let dir = testkit::tmpdir("sink-lock");
+    let clock = Arc::new(OffsetClock::default());
+    let (h, ctx) = term_with(clock.clone(), &dir).await;
+    let out = dir.join("out.jsonl");
+    let sink = Arc::new(jsonl(&out));
+    // Another lane holds the file lock.
+    let guard = sink.0.lock().await;
+    let (s, c) = (sink.clone(), ctx.clone());
+    let write = tokio::spawn(async move { s.handle(&events(2), &c).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!write.is_finished(), "the write passed its first check and waits for the lock");
+    // The deadline passes while it waits (the supervisor has not run yet).
+    clock.advance(Duration::from_secs(3600));
+    assert!(!ctx.term.is_active());
+    drop(guard);
+    let r = write.await.expect("join");
+    assert!(matches!(r, Err(HandlerError::Cancelled)), "{r:?}");
+    assert_eq!(std::fs::read(&out).expect("read").len(), 0, "nothing written after the deadline");
+    h.abandon().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_webhook_request_is_sent_after_the_deadline() {
+    let dir = testkit::tmpdir("sink-hook");
+    let clock = Arc::new(OffsetClock::default());
+    let (h, ctx) = term_with(clock.clone(), &dir).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/", listener.local_addr().expect("addr"));
+    let accepted = Arc::new(AtomicU64::new(0));
+    let a = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((_s, _)) = listener.accept().await {
+            a.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let sink = Webhook::new(&url, 10, Duration::from_secs(5)).expect("client");
+    clock.advance(Duration::from_secs(3600));
+    assert!(matches!(sink.handle(&events(1), &ctx).await, Err(HandlerError::Cancelled)));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(accepted.load(Ordering::SeqCst), 0, "no request was sent");
+    h.abandon().await;
+}
+
+/// The review's locked table: the batch's INSERT waits on a lock past the deadline; the
+/// store's fence alone would accept it (no newer term claimed yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_batch_that_waited_on_a_lock_past_the_deadline_is_rolled_back() {
+    let pg = testkit::PgServer::start();
+    let dir = testkit::tmpdir("sink-pg");
+    let clock = Arc::new(OffsetClock::default());
+    let (h, ctx) = term_with(clock.clone(), &dir).await;
+    let sink = Arc::new(Postgres::connect(&pg.url()).await.expect("pg"));
+    let (mut locker, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    let tx = locker.transaction().await.expect("tx");
+    tx.batch_execute("LOCK TABLE firekeeper_events IN ACCESS EXCLUSIVE MODE").await.expect("lock");
+    let (s, c) = (sink.clone(), ctx.clone());
+    let write = tokio::spawn(async move { s.handle(&events(2), &c).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished(), "the INSERT waits for the lock");
+    clock.advance(Duration::from_secs(3600));
+    tx.rollback().await.expect("unlock");
+    let r = write.await.expect("join");
+    assert!(matches!(r, Err(HandlerError::Cancelled)), "{r:?}");
+    let c = sink.0.lock().await;
+    let n: i64 = c.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
+    let cursors: i64 = c.query_one("SELECT count(*) FROM firekeeper_cursors", &[]).await.expect("count").get(0);
+    assert_eq!((n, cursors), (0, 0), "neither rows nor cursor landed");
+    h.abandon().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_sink_write_starts_after_the_deadline() {
+    let dir = testkit::tmpdir("sink-start");
+    let clock = Arc::new(OffsetClock::default());
+    let (h, ctx) = term_with(clock.clone(), &dir).await;
+    let out = dir.join("out.jsonl");
+    let sink = jsonl(&out);
+    let evs = events(2);
+    sink.handle(&evs[..1], &ctx).await.expect("written while active");
+    let written = std::fs::read(&out).expect("read").len();
+    assert!(written > 0);
+    clock.advance(Duration::from_secs(3600));
+    assert!(matches!(sink.handle(&evs[1..], &ctx).await, Err(HandlerError::Cancelled)));
+    assert_eq!(std::fs::read(&out).expect("read").len(), written);
+    h.abandon().await;
+}
+
+#[test]
+fn a_line_renders_the_event_when_the_lane_did_not() {
+    let evs = events(1);
+    let ctx_line = |e: &Event| {
+        let mut s = String::new();
+        e.render_json(&mut s);
+        s
+    };
+    let body = ctx_line(&evs[0]);
+    assert!(body.starts_with(&format!("{{\"seq\":{},", evs[0].seq())), "{body}");
+}
