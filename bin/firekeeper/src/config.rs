@@ -1,16 +1,19 @@
 //! Configuration from the environment: `FIREKEEPER_*` plus the conventional `REDIS_URL`,
-//! `DATABASE_URL`, `RUST_LOG` and `OTEL_*`. Every bad variable is reported by name in
-//! one error, and unknown `FIREKEEPER_*` variables are refused (a typo must not fall back
-//! to a default silently).
+//! `DATABASE_URL`, `RUST_LOG` and `OTEL_*`, as listed in [`crate::settings::SETTINGS`].
+//! Every bad variable is reported by name in one error, and unknown `FIREKEEPER_*`
+//! variables are refused (a typo must not fall back to a default silently).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use consumer::{CollectionFilter, Options};
 use lease::LeaseConfig;
 use relay_client::client::{BadFramePolicy, FutureCursorPolicy};
 use relay_client::{ClientConfig, RelayUrl};
+
+use crate::settings::{Kind, SETTINGS, setting};
 
 /// Where cursors are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,68 +61,23 @@ pub struct Config {
     pub store: StoreKind,
     /// Sink.
     pub sink: SinkKind,
-    /// Collection filters: exact NSIDs or `prefix.*`.
-    pub collections: Vec<String>,
     /// Lock file and file cursors live here.
     pub data_dir: PathBuf,
     /// Lease timing and key prefix.
     pub lease: LeaseConfig,
     /// Prefix of legacy host-keyed cursors to migrate.
     pub legacy_cursor_prefix: Option<String>,
-    /// How often the watermark is committed.
-    pub commit_interval: Duration,
-    /// Step-down drain budget.
-    pub drain_budget: Duration,
     /// HTTP listen address; `None` = off.
     pub http_addr: Option<SocketAddr>,
-    /// Processing lanes (events of one repo always share a lane).
-    pub lanes: usize,
-    /// Events queued per lane before the socket is pushed back on.
-    pub queue_depth: usize,
     /// Relay connection settings.
     pub client: ClientConfig,
-    /// Check record block hashes.
-    pub verify_blocks: bool,
+    /// The work loop's tuning (lanes, queue depth, commit interval, drain budget, filter).
+    pub options: Options,
     /// Instance id; random when unset.
     pub instance_id: Option<String>,
     /// `json` (default) or `text` logs.
     pub log_json: bool,
 }
-
-const KNOWN: &[&str] = &[
-    "relay",
-    "relay_secondary",
-    "cursor_store",
-    "sink",
-    "jsonl_path",
-    "webhook_url",
-    "webhook_batch",
-    "webhook_timeout_ms",
-    "collections",
-    "data_dir",
-    "key_prefix",
-    "legacy_cursor_prefix",
-    "lease_ttl_ms",
-    "lease_renew_ms",
-    "lease_op_timeout_ms",
-    "lease_margin_ms",
-    "lease_poll_ms",
-    "commit_interval_ms",
-    "drain_budget_ms",
-    "http_addr",
-    "lanes",
-    "queue_depth",
-    "connect_timeout_ms",
-    "stall_timeout_ms",
-    "future_cursor",
-    "bad_frame",
-    "max_frame_bytes",
-    "failover_after",
-    "probe_interval_ms",
-    "verify_blocks",
-    "instance_id",
-    "log_format",
-];
 
 /// Every problem, one line each, naming the variable.
 #[derive(Debug)]
@@ -137,104 +95,115 @@ impl std::fmt::Display for ConfigErrors {
 
 impl std::error::Error for ConfigErrors {}
 
+/// The variables read, and the problems found so far.
 struct Vars {
     map: HashMap<String, String>,
     errors: Vec<String>,
 }
 
 impl Vars {
-    fn get(&self, k: &str) -> Option<&str> {
-        self.map.get(k).map(String::as_str).filter(|v| !v.trim().is_empty()).map(str::trim)
+    /// The value set for `name`, else its default; `None` when neither.
+    fn get(&self, name: &str) -> Option<&str> {
+        let set = self.map.get(name).map(|v| v.trim()).filter(|v| !v.is_empty());
+        set.or_else(|| Some(setting(name).default).filter(|d| !d.is_empty()))
     }
 
-    fn ms(&mut self, k: &str, default: Duration) -> Duration {
-        match self.get(k) {
-            None => default,
+    /// True when the variable itself is set.
+    fn is_set(&self, name: &str) -> bool {
+        self.map.get(name).is_some_and(|v| !v.trim().is_empty())
+    }
+
+    fn ms(&mut self, name: &str) -> Duration {
+        let default = Duration::from_millis(setting(name).default.parse().unwrap_or(1));
+        match self.get(name).map(str::to_owned) {
             Some(v) => match v.parse::<u64>() {
                 Ok(n) if n > 0 => Duration::from_millis(n),
                 _ => {
-                    self.errors.push(format!(
-                        "FIREKEEPER_{}={v:?} is not a positive number of milliseconds",
-                        k.to_uppercase()
-                    ));
+                    self.errors.push(format!("{name}={v:?} is not a positive number of milliseconds"));
                     default
                 }
             },
+            None => default,
         }
     }
 
-    fn count(&mut self, k: &str, default: usize, max: usize) -> usize {
-        match self.get(k) {
-            None => default,
+    fn count(&mut self, name: &str) -> usize {
+        let s = setting(name);
+        let Kind::Count(max) = s.kind else { unreachable!("{name} is a count") };
+        let default = s.default.parse().unwrap_or(1);
+        match self.get(name).map(str::to_owned) {
             Some(v) => match v.parse::<usize>() {
                 Ok(n) if n > 0 && n <= max => n,
                 _ => {
-                    self.errors
-                        .push(format!("FIREKEEPER_{}={v:?} must be a whole number in 1..={max}", k.to_uppercase()));
+                    self.errors.push(format!("{name}={v:?} must be a whole number in 1..={max}"));
                     default
                 }
             },
+            None => default,
         }
     }
 
-    fn relay(&mut self, k: &str, v: &str) -> Option<RelayUrl> {
-        match RelayUrl::parse(v) {
+    /// One of the setting's choices (its default when unset or wrong).
+    fn choice(&mut self, name: &str) -> &'static str {
+        let s = setting(name);
+        let Kind::Choice(choices) = s.kind else { unreachable!("{name} is a choice") };
+        match self.get(name).map(str::to_owned) {
+            Some(v) => choices.iter().find(|c| **c == v).copied().unwrap_or_else(|| {
+                self.errors.push(format!("{name}={v:?} must be {}", or_list(choices)));
+                s.default
+            }),
+            None => s.default,
+        }
+    }
+
+    fn text(&self, name: &str) -> Option<String> {
+        self.get(name).map(str::to_owned)
+    }
+
+    fn relay(&mut self, name: &str) -> Option<RelayUrl> {
+        let v = self.get(name)?.to_owned();
+        match RelayUrl::parse(&v) {
             Ok(u) => Some(u),
             Err(e) => {
                 // The value is not echoed: it may carry credentials.
-                self.errors.push(format!("FIREKEEPER_{}: {e}", k.to_uppercase()));
+                self.errors.push(format!("{name}: {e}"));
                 None
             }
         }
     }
 }
 
+fn or_list(choices: &[&str]) -> String {
+    match choices {
+        [] => String::new(),
+        [one] => (*one).to_owned(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
+
 impl Config {
-    /// Reads the process environment through the `config` crate.
+    /// Reads the process environment.
     pub fn from_env() -> Result<Self, ConfigErrors> {
-        Self::from_source(None)
+        Self::from_source(std::env::vars().collect())
     }
 
-    /// Reads from an explicit map of `FIREKEEPER_*`-style variables plus `REDIS_URL` and
-    /// `DATABASE_URL` (for tests).
-    pub fn from_source(vars: Option<HashMap<String, String>>) -> Result<Self, ConfigErrors> {
-        let (fk, conventional): (HashMap<String, String>, HashMap<String, String>) = match vars {
-            Some(v) => (
-                v.iter().filter(|(k, _)| k.starts_with("FIREKEEPER_")).map(|(k, v)| (k.clone(), v.clone())).collect(),
-                v.into_iter().filter(|(k, _)| !k.starts_with("FIREKEEPER_")).collect(),
-            ),
-            None => (
-                std::env::vars().filter(|(k, _)| k.starts_with("FIREKEEPER_")).collect(),
-                std::env::vars().filter(|(k, _)| k == "REDIS_URL" || k == "DATABASE_URL").collect(),
-            ),
-        };
-        let built = config::Config::builder()
-            .add_source(
-                config::Environment::with_prefix("FIREKEEPER")
-                    .prefix_separator("_")
-                    .source(Some(fk.into_iter().collect())),
-            )
-            .build()
-            .and_then(config::Config::try_deserialize::<HashMap<String, String>>)
-            .map_err(|e| ConfigErrors(vec![format!("reading FIREKEEPER_* variables: {e}")]))?;
-        let mut v = Vars { map: built, errors: Vec::new() };
-        let mut unknown: Vec<String> = v
+    /// Reads from an explicit map of variables (tests).
+    pub fn from_source(vars: HashMap<String, String>) -> Result<Self, ConfigErrors> {
+        let mut v = Vars { map: vars, errors: Vec::new() };
+        let mut unknown: Vec<&String> = v
             .map
             .keys()
-            .filter(|k| !KNOWN.contains(&k.as_str()))
-            .map(|k| format!("FIREKEEPER_{}", k.to_uppercase()))
+            .filter(|k| k.starts_with("FIREKEEPER_") && !SETTINGS.iter().any(|s| s.name == k.as_str()))
             .collect();
         unknown.sort();
-        for u in unknown {
-            v.errors.push(format!("{u} is not a firekeeper setting (see the README's table)"));
-        }
-        let cget = |k: &str| conventional.get(k).map(|s| s.trim().to_owned()).filter(|s| !s.is_empty());
-        let redis_url = cget("REDIS_URL");
-        let database_url = cget("DATABASE_URL");
+        let unknown: Vec<String> =
+            unknown.into_iter().map(|u| format!("{u} is not a firekeeper setting (see the README's table)")).collect();
+        v.errors.extend(unknown);
+        let redis_url = v.text("REDIS_URL");
+        let database_url = v.text("DATABASE_URL");
 
-        let relay_raw = v.get("relay").unwrap_or("wss://bsky.network").to_owned();
-        let relay = v.relay("relay", &relay_raw);
-        let relay_secondary = v.get("relay_secondary").map(str::to_owned).and_then(|s| v.relay("relay_secondary", &s));
+        let relay = v.relay("FIREKEEPER_RELAY");
+        let relay_secondary = v.relay("FIREKEEPER_RELAY_SECONDARY");
         if let (Some(p), Some(s)) = (&relay, &relay_secondary)
             && p.fingerprint() == s.fingerprint()
         {
@@ -246,14 +215,13 @@ impl Config {
             v.errors.push("REDIS_URL is not a valid redis:// or rediss:// URL".into());
         }
 
-        let store = match v.get("cursor_store") {
-            None if redis_url.is_some() => StoreKind::Redis,
-            None | Some("file") => StoreKind::File,
-            Some("redis") => StoreKind::Redis,
-            Some("postgres") => StoreKind::Postgres,
-            Some(other) => {
-                v.errors.push(format!("FIREKEEPER_CURSOR_STORE={other:?} must be redis, file or postgres"));
-                StoreKind::File
+        let store = if !v.is_set("FIREKEEPER_CURSOR_STORE") && redis_url.is_some() {
+            StoreKind::Redis
+        } else {
+            match v.choice("FIREKEEPER_CURSOR_STORE") {
+                "redis" => StoreKind::Redis,
+                "postgres" => StoreKind::Postgres,
+                _ => StoreKind::File,
             }
         };
         if store == StoreKind::Redis && redis_url.is_none() {
@@ -262,14 +230,13 @@ impl Config {
         if store == StoreKind::File && redis_url.is_some() {
             v.errors.push("FIREKEEPER_CURSOR_STORE=file cannot be fenced by the Redis lease; use redis or postgres with REDIS_URL".into());
         }
-        let sink = match v.get("sink").unwrap_or("jsonl") {
-            "jsonl" => SinkKind::Jsonl(v.get("jsonl_path").unwrap_or("-").to_owned()),
+        let sink = match v.choice("FIREKEEPER_SINK") {
             "postgres" => SinkKind::Postgres,
             "null" => SinkKind::Null,
             "webhook" => {
-                let url = v.get("webhook_url").map(str::to_owned);
-                let batch = v.count("webhook_batch", 100, 10_000);
-                let timeout = v.ms("webhook_timeout_ms", Duration::from_secs(5));
+                let url = v.text("FIREKEEPER_WEBHOOK_URL");
+                let batch = v.count("FIREKEEPER_WEBHOOK_BATCH");
+                let timeout = v.ms("FIREKEEPER_WEBHOOK_TIMEOUT_MS");
                 match url {
                     Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
                         SinkKind::Webhook { url: u, batch, timeout }
@@ -284,10 +251,7 @@ impl Config {
                     }
                 }
             }
-            other => {
-                v.errors.push(format!("FIREKEEPER_SINK={other:?} must be jsonl, postgres, webhook or null"));
-                SinkKind::Null
-            }
+            _ => SinkKind::Jsonl(v.text("FIREKEEPER_JSONL_PATH").unwrap_or_else(|| "-".into())),
         };
         if (sink == SinkKind::Postgres || store == StoreKind::Postgres) && database_url.is_none() {
             v.errors.push("the postgres sink and cursor store need DATABASE_URL".into());
@@ -301,34 +265,31 @@ impl Config {
             );
         }
 
-        let collections: Vec<String> = v
-            .get("collections")
+        let entries: Vec<String> = v
+            .text("FIREKEEPER_COLLECTIONS")
             .map(|c| c.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
             .unwrap_or_default();
-        for c in &collections {
-            let body = c.strip_suffix(".*").unwrap_or(c);
-            if body.is_empty() || !body.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '.' || ch == '-') {
-                v.errors.push(format!("FIREKEEPER_COLLECTIONS entry {c:?} is not an NSID or `prefix.*`"));
-            }
-        }
+        let collections = CollectionFilter::new(entries).unwrap_or_else(|bad| {
+            v.errors.push(format!("FIREKEEPER_COLLECTIONS entry {bad:?} is not an NSID or `prefix.*`"));
+            None
+        });
 
-        let d = LeaseConfig::default();
         let lease = LeaseConfig {
-            ttl: v.ms("lease_ttl_ms", d.ttl),
-            renew_every: v.ms("lease_renew_ms", d.renew_every),
-            op_timeout: v.ms("lease_op_timeout_ms", d.op_timeout),
-            margin: v.ms("lease_margin_ms", d.margin),
-            poll: v.ms("lease_poll_ms", d.poll),
-            key_prefix: v.get("key_prefix").unwrap_or("firekeeper").to_owned(),
+            ttl: v.ms("FIREKEEPER_LEASE_TTL_MS"),
+            renew_every: v.ms("FIREKEEPER_LEASE_RENEW_MS"),
+            op_timeout: v.ms("FIREKEEPER_LEASE_OP_TIMEOUT_MS"),
+            margin: v.ms("FIREKEEPER_LEASE_MARGIN_MS"),
+            poll: v.ms("FIREKEEPER_LEASE_POLL_MS"),
+            key_prefix: v.text("FIREKEEPER_KEY_PREFIX").unwrap_or_default(),
         };
         if let Err(e) = lease.validate() {
             for p in e.problems {
                 v.errors.push(format!("FIREKEEPER_LEASE_*: {p}"));
             }
         }
-        let http_addr = match v.get("http_addr").unwrap_or("127.0.0.1:9090") {
-            "off" => None,
-            a => {
+        let http_addr = match v.text("FIREKEEPER_HTTP_ADDR").as_deref() {
+            None | Some("off") => None,
+            Some(a) => {
                 if let Ok(a) = a.parse() {
                     Some(a)
                 } else {
@@ -337,101 +298,68 @@ impl Config {
                 }
             }
         };
-        let mut client = ClientConfig {
-            connect_timeout: v.ms("connect_timeout_ms", Duration::from_secs(10)),
-            stall_timeout: v.ms("stall_timeout_ms", Duration::from_mins(1)),
+        let client = ClientConfig {
+            connect_timeout: v.ms("FIREKEEPER_CONNECT_TIMEOUT_MS"),
+            stall_timeout: v.ms("FIREKEEPER_STALL_TIMEOUT_MS"),
+            failover_after: u32::try_from(v.count("FIREKEEPER_FAILOVER_AFTER")).unwrap_or(3),
+            probe_interval: v.ms("FIREKEEPER_PROBE_INTERVAL_MS"),
+            future_cursor: match v.choice("FIREKEEPER_FUTURE_CURSOR") {
+                "live" => FutureCursorPolicy::GoLive,
+                _ => FutureCursorPolicy::Fail,
+            },
+            bad_frame: match v.choice("FIREKEEPER_BAD_FRAME") {
+                "skip" => BadFramePolicy::Skip,
+                _ => BadFramePolicy::Fail,
+            },
+            max_frame_bytes: v.count("FIREKEEPER_MAX_FRAME_BYTES"),
             ..ClientConfig::default()
         };
-        client.failover_after = u32::try_from(v.count("failover_after", 3, 1000)).unwrap_or(3);
-        client.probe_interval = v.ms("probe_interval_ms", Duration::from_secs(30));
-        client.future_cursor = match v.get("future_cursor").unwrap_or("fail") {
-            "fail" => FutureCursorPolicy::Fail,
-            "live" => FutureCursorPolicy::GoLive,
-            other => {
-                v.errors.push(format!("FIREKEEPER_FUTURE_CURSOR={other:?} must be fail or live"));
-                FutureCursorPolicy::Fail
-            }
-        };
-        client.bad_frame = match v.get("bad_frame").unwrap_or("fail") {
-            "fail" => BadFramePolicy::Fail,
-            "skip" => BadFramePolicy::Skip,
-            other => {
-                v.errors.push(format!("FIREKEEPER_BAD_FRAME={other:?} must be fail or skip"));
-                BadFramePolicy::Fail
-            }
-        };
-        client.max_frame_bytes = v.count("max_frame_bytes", 5 << 20, 1 << 30);
         if client.max_frame_bytes < 1024 {
             v.errors.push("FIREKEEPER_MAX_FRAME_BYTES must be at least 1024".into());
         }
-        let verify_blocks = match v.get("verify_blocks").unwrap_or("false") {
-            "true" | "1" | "yes" => true,
-            "false" | "0" | "no" => false,
-            other => {
-                v.errors.push(format!("FIREKEEPER_VERIFY_BLOCKS={other:?} must be true or false"));
-                false
-            }
+        let verify_blocks = matches!(v.choice("FIREKEEPER_VERIFY_BLOCKS"), "true" | "1" | "yes");
+        let log_json = v.choice("FIREKEEPER_LOG_FORMAT") == "json";
+        let options = Options {
+            lanes: v.count("FIREKEEPER_LANES"),
+            queue_depth: v.count("FIREKEEPER_QUEUE_DEPTH"),
+            commit_interval: v.ms("FIREKEEPER_COMMIT_INTERVAL_MS"),
+            drain_budget: v.ms("FIREKEEPER_DRAIN_BUDGET_MS"),
+            collections,
+            verify_blocks,
         };
-        let log_json = match v.get("log_format").unwrap_or("json") {
-            "json" => true,
-            "text" => false,
-            other => {
-                v.errors.push(format!("FIREKEEPER_LOG_FORMAT={other:?} must be json or text"));
-                true
-            }
-        };
-        let commit_interval = v.ms("commit_interval_ms", Duration::from_secs(1));
-        let drain_budget = v.ms("drain_budget_ms", Duration::from_secs(10));
-        let lanes = v.count("lanes", 4, 256);
-        let queue_depth = v.count("queue_depth", 1024, 1 << 20);
-        if drain_budget >= lease.ttl * 10 {
+        if options.drain_budget >= lease.ttl * 10 {
             v.errors.push(
                 "FIREKEEPER_DRAIN_BUDGET_MS is over ten lease ttls: a stuck drain would hold the lease for too long"
                     .into(),
             );
         }
-        let data_dir = PathBuf::from(v.get("data_dir").unwrap_or("firekeeper-data"));
-        let legacy_cursor_prefix = v.get("legacy_cursor_prefix").map(str::to_owned);
-        let instance_id = v.get("instance_id").map(str::to_owned);
+        let data_dir = PathBuf::from(v.text("FIREKEEPER_DATA_DIR").unwrap_or_default());
+        let legacy_cursor_prefix = v.text("FIREKEEPER_LEGACY_CURSOR_PREFIX");
+        let instance_id = v.text("FIREKEEPER_INSTANCE_ID");
         if let Some(id) = &instance_id
             && (id.contains(':') || id.len() > 128)
         {
             v.errors.push("FIREKEEPER_INSTANCE_ID must not contain ':' and be at most 128 bytes".into());
         }
-        if !v.errors.is_empty() {
+        let Some(relay) = relay.filter(|_| v.errors.is_empty()) else {
             return Err(ConfigErrors(v.errors));
-        }
+        };
         Ok(Self {
-            relay: relay.expect("checked"),
+            relay,
             relay_secondary,
             redis_url,
             database_url,
             store,
             sink,
-            collections,
             data_dir,
             lease,
             legacy_cursor_prefix,
-            commit_interval,
-            drain_budget,
             http_addr,
-            lanes,
-            queue_depth,
             client,
-            verify_blocks,
+            options,
             instance_id,
             log_json,
         })
-    }
-
-    /// True when one of the collection filters matches (or there are none).
-    #[must_use]
-    pub fn wants(&self, collection: &str) -> bool {
-        self.collections.is_empty()
-            || self.collections.iter().any(|f| match f.strip_suffix(".*") {
-                Some(prefix) => collection.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.')),
-                None => f == collection,
-            })
     }
 
     /// A one-line summary with no secrets, for the startup log and `check-config`.
@@ -449,8 +377,8 @@ impl Config {
                 SinkKind::Webhook { batch, .. } => format!("webhook(batch {batch})"),
                 SinkKind::Null => "null".into(),
             },
-            self.collections,
-            self.lanes,
+            self.options.collections.as_ref().map_or(&[][..], CollectionFilter::entries),
+            self.options.lanes,
             self.http_addr.map_or_else(|| "off".into(), |a| a.to_string()),
         )
     }
@@ -461,7 +389,7 @@ mod tests {
     use super::*;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
-        Config::from_source(Some(pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()))
+        Config::from_source(pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect())
     }
 
     #[test]
@@ -473,6 +401,27 @@ mod tests {
         assert_eq!(c.lease.ttl, Duration::from_secs(10));
         let c = cfg(&[("REDIS_URL", "redis://127.0.0.1:6379")]).expect("redis");
         assert_eq!(c.store, StoreKind::Redis);
+    }
+
+    /// The table's defaults are the libraries' defaults: a drift in either is caught here.
+    #[test]
+    fn table_defaults_match_the_library_defaults() {
+        let c = cfg(&[]).expect("defaults are valid");
+        let l = LeaseConfig::default();
+        assert_eq!(
+            (c.lease.ttl, c.lease.renew_every, c.lease.op_timeout, c.lease.margin, c.lease.poll, &c.lease.key_prefix),
+            (l.ttl, l.renew_every, l.op_timeout, l.margin, l.poll, &l.key_prefix)
+        );
+        let o = Options::default();
+        assert_eq!(
+            (c.options.lanes, c.options.queue_depth, c.options.commit_interval, c.options.drain_budget),
+            (o.lanes, o.queue_depth, o.commit_interval, o.drain_budget)
+        );
+        let k = ClientConfig::default();
+        assert_eq!(
+            (c.client.failover_after, c.client.max_frame_bytes, c.client.future_cursor, c.client.bad_frame),
+            (k.failover_after, k.max_frame_bytes, k.future_cursor, k.bad_frame)
+        );
     }
 
     #[test]
@@ -515,10 +464,11 @@ mod tests {
     #[test]
     fn collection_filters() {
         let c = cfg(&[("FIREKEEPER_COLLECTIONS", "app.bsky.feed.*, app.bsky.graph.follow")]).expect("ok");
-        assert!(c.wants("app.bsky.feed.post"));
-        assert!(c.wants("app.bsky.graph.follow"));
-        assert!(!c.wants("app.bsky.graph.block"));
-        assert!(!c.wants("app.bsky.feedx.post"));
+        let f = c.options.collections.expect("a filter");
+        assert!(f.wants("app.bsky.feed.post"));
+        assert!(f.wants("app.bsky.graph.follow"));
+        assert!(!f.wants("app.bsky.graph.block"));
+        assert!(!f.wants("app.bsky.feedx.post"));
         assert!(cfg(&[("FIREKEEPER_COLLECTIONS", "bad name")]).is_err());
     }
 }

@@ -1,25 +1,22 @@
 //! A small HTTP/1.1 server for `/healthz`, `/readyz`, `/metrics` and `/status`: GET only,
 //! one request per connection, bounded request size and read time.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use consumer::StatusHandle;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::work::Shared;
-
 /// Serves until `stop` fires.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, prom: PrometheusHandle, stop: CancellationToken) {
+pub async fn serve(listener: TcpListener, status: StatusHandle, prom: PrometheusHandle, stop: CancellationToken) {
     loop {
         let (mut sock, _) = tokio::select! {
             r = listener.accept() => match r { Ok(s) => s, Err(_) => continue },
             () = stop.cancelled() => return,
         };
-        let (shared, prom) = (shared.clone(), prom.clone());
+        let (status, prom) = (status.clone(), prom.clone());
         tokio::spawn(async move {
             let mut buf = vec![0u8; 8192];
             let mut n = 0;
@@ -41,9 +38,9 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, prom: PrometheusH
             let req = String::from_utf8_lossy(&buf[..n]);
             let mut parts = req.split_whitespace();
             let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let (status, ctype, body) = respond(method, path, &shared, &prom);
+            let (code, ctype, body) = respond(method, path, &status, &prom);
             let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                "HTTP/1.1 {code}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
                 body.len()
             );
             let _ = sock.write_all(head.as_bytes()).await;
@@ -53,23 +50,22 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, prom: PrometheusH
     }
 }
 
-fn respond(method: &str, path: &str, shared: &Shared, prom: &PrometheusHandle) -> (&'static str, &'static str, String) {
+fn respond(
+    method: &str,
+    path: &str,
+    status: &StatusHandle,
+    prom: &PrometheusHandle,
+) -> (&'static str, &'static str, String) {
     if method != "GET" {
         return ("405 Method Not Allowed", "text/plain", "GET only\n".into());
     }
     match path.split('?').next().unwrap_or("") {
         "/healthz" => ("200 OK", "text/plain", "ok\n".into()),
-        "/readyz" => {
-            if shared.ready.load(Ordering::Relaxed) {
-                ("200 OK", "text/plain", "ready\n".into())
-            } else {
-                ("503 Service Unavailable", "text/plain", "not ready\n".into())
-            }
-        }
+        "/readyz" if status.is_ready() => ("200 OK", "text/plain", "ready\n".into()),
+        "/readyz" => ("503 Service Unavailable", "text/plain", "not ready\n".into()),
         "/metrics" => ("200 OK", "text/plain; version=0.0.4", prom.render()),
         "/status" => {
-            let s = shared.snapshot();
-            ("200 OK", "application/json", serde_json::to_string(&s).unwrap_or_default() + "\n")
+            ("200 OK", "application/json", serde_json::to_string(&status.snapshot()).unwrap_or_default() + "\n")
         }
         _ => ("404 Not Found", "text/plain", "not found\n".into()),
     }

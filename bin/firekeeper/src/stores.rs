@@ -1,15 +1,16 @@
-//! The lease backend and cursor store chosen by the configuration, behind one type each.
+//! The lease backend, cursor store and sink the configuration chooses.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use checkpoint::{CommitOutcome, FileStore, PostgresStore, ReadOutcome, RedisKeys, RedisStore, StoreError};
-use lease::{LocalBackend, RedisBackend, Term};
+use checkpoint::{CursorStore, FileStore, PostgresStore, RedisKeys, RedisStore};
+use consumer::{Builder, Handler};
+use lease::{LocalBackend, RedisBackend, Snapshot};
 
-use crate::config::{Config, StoreKind};
+use crate::config::{Config, SinkKind, StoreKind};
 
-/// The lease backend.
+/// The lease backend (a generic trait, so one of two concrete types).
 pub enum LeaseBackend {
     /// Redis (with `REDIS_URL`).
     Redis(Arc<RedisBackend>),
@@ -30,6 +31,23 @@ impl LeaseBackend {
             Ok(Self::Local(Arc::new(LocalBackend::new(&lease_file(cfg)))))
         }
     }
+
+    /// Hands the backend to the consumer.
+    pub fn install(self, b: Builder, cfg: &Config) -> Builder {
+        match self {
+            Self::Redis(r) => b.lease(r, cfg.lease.clone()),
+            Self::Local(l) => b.lease(l, cfg.lease.clone()),
+        }
+    }
+
+    /// What the lease store holds (`lease show`).
+    pub async fn snapshot(&self) -> Result<Snapshot> {
+        use lease::Backend as _;
+        Ok(match self {
+            Self::Redis(b) => b.snapshot().await?,
+            Self::Local(b) => b.snapshot().await?,
+        })
+    }
 }
 
 /// The local lease's lock file.
@@ -38,89 +56,31 @@ pub fn lease_file(cfg: &Config) -> PathBuf {
     cfg.data_dir.join("lease.lock")
 }
 
-/// The cursor store.
-pub enum Store {
-    /// Redis.
-    Redis(RedisStore),
-    /// Files.
-    File(FileStore),
-    /// Postgres.
-    Postgres(PostgresStore),
+/// Opens the cursor store for `cfg`.
+pub async fn open_store(cfg: &Config) -> Result<Arc<dyn CursorStore>> {
+    Ok(match cfg.store {
+        StoreKind::Redis => {
+            let url = cfg.redis_url.as_deref().context("REDIS_URL")?;
+            let keys = RedisKeys::new(&cfg.lease.key_prefix, cfg.legacy_cursor_prefix.as_deref());
+            Arc::new(RedisStore::new(url, keys, cfg.lease.op_timeout)?)
+        }
+        StoreKind::File => Arc::new(FileStore::new(&cfg.data_dir.join("cursors"), &lease_file(cfg))?),
+        StoreKind::Postgres => {
+            let url = cfg.database_url.as_deref().context("DATABASE_URL")?;
+            Arc::new(PostgresStore::connect(url, cfg.lease.op_timeout.max(std::time::Duration::from_secs(2))).await?)
+        }
+    })
 }
 
-impl Store {
-    /// Opens the store for `cfg`.
-    pub async fn open(cfg: &Config) -> Result<Self> {
-        Ok(match cfg.store {
-            StoreKind::Redis => {
-                let url = cfg.redis_url.as_deref().context("REDIS_URL")?;
-                let keys = RedisKeys::new(&cfg.lease.key_prefix, cfg.legacy_cursor_prefix.as_deref());
-                Self::Redis(RedisStore::new(url, keys, cfg.lease.op_timeout)?)
-            }
-            StoreKind::File => Self::File(FileStore::new(&cfg.data_dir.join("cursors"), &lease_file(cfg))?),
-            StoreKind::Postgres => {
-                let url = cfg.database_url.as_deref().context("DATABASE_URL")?;
-                Self::Postgres(
-                    PostgresStore::connect(url, cfg.lease.op_timeout.max(std::time::Duration::from_secs(2))).await?,
-                )
-            }
-        })
-    }
-
-    /// Reads a relay's cursor.
-    pub async fn read(&self, fp: &str) -> Result<ReadOutcome, StoreError> {
-        match self {
-            Self::Redis(s) => s.read(fp).await,
-            Self::File(s) => s.read(fp).await,
-            Self::Postgres(s) => s.read(fp).await,
+/// Opens the sink for `cfg`.
+pub async fn open_sink(cfg: &Config) -> Result<Arc<dyn Handler>> {
+    Ok(match &cfg.sink {
+        SinkKind::Jsonl(path) if path == "-" => Arc::new(sinks::Jsonl::stdout()),
+        SinkKind::Jsonl(path) => Arc::new(sinks::Jsonl::open(path).await.context("FIREKEEPER_JSONL_PATH")?),
+        SinkKind::Postgres => {
+            Arc::new(sinks::Postgres::connect(cfg.database_url.as_deref().context("DATABASE_URL")?).await?)
         }
-    }
-
-    /// Fenced, monotonic commit. Redis and file stores fence on the term's whole lease
-    /// value; Postgres, which cannot see the lease, on the highest token.
-    pub async fn commit(&self, fp: &str, cursor: u64, term: &Term) -> Result<CommitOutcome, StoreError> {
-        match self {
-            Self::Redis(s) => s.commit(fp, cursor, &term.holder()).await,
-            Self::File(s) => s.commit(fp, cursor, &term.holder()).await,
-            Self::Postgres(s) => s.commit(fp, cursor, term.token()).await,
-        }
-    }
-
-    /// Fenced rewind: may set a lower cursor (an accepted gap, or where a fresh
-    /// deployment started).
-    pub async fn reset(&self, fp: &str, cursor: u64, term: &Term) -> Result<CommitOutcome, StoreError> {
-        match self {
-            Self::Redis(s) => s.reset(fp, cursor, &term.holder()).await,
-            Self::File(s) => s.reset(fp, cursor, &term.holder()).await,
-            Self::Postgres(s) => s.reset(fp, cursor, term.token()).await,
-        }
-    }
-
-    /// Operator override.
-    pub async fn force(&self, fp: &str, cursor: u64) -> Result<(), StoreError> {
-        match self {
-            Self::Redis(s) => s.force(fp, cursor).await,
-            Self::File(s) => s.force(fp, cursor).await,
-            Self::Postgres(s) => s.force(fp, cursor).await,
-        }
-    }
-
-    /// Called on election: migrates legacy cursors (Redis) or claims the fence (Postgres).
-    pub async fn on_elected(&self, cfg: &Config, token: u64) -> Result<(), StoreError> {
-        match self {
-            Self::Redis(s) => {
-                for relay in std::iter::once(&cfg.relay).chain(cfg.relay_secondary.as_ref()) {
-                    s.migrate_legacy(relay.fingerprint(), &relay.host_port(), relay.is_root()).await?;
-                }
-                Ok(())
-            }
-            Self::File(_) => Ok(()),
-            Self::Postgres(s) => match s.claim(token).await? {
-                CommitOutcome::Fenced { current } => {
-                    Err(StoreError::Protocol(format!("a newer term ({current:?}) already claimed the cursor table")))
-                }
-                _ => Ok(()),
-            },
-        }
-    }
+        SinkKind::Webhook { url, batch, timeout } => Arc::new(sinks::Webhook::new(url, *batch, *timeout)?),
+        SinkKind::Null => Arc::new(sinks::Null),
+    })
 }

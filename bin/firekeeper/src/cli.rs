@@ -1,0 +1,97 @@
+//! The command line. Configuration comes from the environment (see README.md); the
+//! command line only says what to do.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use relay_client::RelayRole;
+
+/// An AT Protocol firehose consumer with leader election built in.
+#[derive(Debug, Parser)]
+#[command(name = "firekeeper", version, after_help = "Configuration comes from the environment; see README.md.")]
+pub struct Cli {
+    /// What to do (default: run).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Contend for the lease and consume while leading.
+    Run,
+    /// Validate the environment and print a summary without secrets.
+    CheckConfig,
+    /// Print the configuration table (the README's, generated from the definitions).
+    Settings,
+    /// Read or set a relay's stored cursor.
+    Cursor {
+        /// show or set.
+        #[command(subcommand)]
+        action: CursorAction,
+    },
+    /// Inspect the lease.
+    Lease {
+        /// show.
+        #[command(subcommand)]
+        action: LeaseAction,
+    },
+    /// Record frames from the primary relay into a file relay-sim can replay.
+    Capture {
+        /// The capture file to write.
+        file: PathBuf,
+        /// Start after this seq (default: the live tail).
+        #[arg(long)]
+        cursor: Option<u64>,
+        /// Stop after this many frames.
+        #[arg(long)]
+        limit: Option<u64>,
+        /// Stop after this many seconds.
+        #[arg(long)]
+        seconds: Option<u64>,
+    },
+}
+
+/// `cursor` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum CursorAction {
+    /// The stored cursor of a relay.
+    Show {
+        /// Which relay.
+        #[arg(long, value_enum, default_value_t = Relay::Primary)]
+        relay: Relay,
+    },
+    /// Preseed or override a cursor (operator tool; unfenced).
+    Set {
+        /// The seq to resume after.
+        seq: u64,
+        /// Which relay.
+        #[arg(long, value_enum, default_value_t = Relay::Primary)]
+        relay: Relay,
+    },
+}
+
+/// `lease` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum LeaseAction {
+    /// Holder, fence counter, highest token seen, remaining ttl.
+    Show,
+}
+
+/// A configured relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Relay {
+    /// `FIREKEEPER_RELAY`.
+    Primary,
+    /// `FIREKEEPER_RELAY_SECONDARY`.
+    Secondary,
+}
+
+impl From<Relay> for RelayRole {
+    fn from(r: Relay) -> Self {
+        match r {
+            Relay::Primary => Self::Primary,
+            Relay::Secondary => Self::Secondary,
+        }
+    }
+}
