@@ -6,12 +6,10 @@
 //! - graceful handover gap (old leader's release → new leader's election, from their
 //!   logs), ≥ 10 runs.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::{Cluster, Spec, log_time};
+use testkit::WAIT;
+use testkit::cluster::{Cluster, Spec, log_time, parse_ts};
 
 fn stats(xs: &mut [f64]) -> (f64, f64) {
     xs.sort_by(f64::total_cmp);
@@ -19,7 +17,7 @@ fn stats(xs: &mut [f64]) -> (f64, f64) {
 }
 
 async fn wait_committed(c: &Cluster, i: usize, total: u64) {
-    let deadline = Instant::now() + support::WAIT;
+    let deadline = Instant::now() + WAIT;
     loop {
         if let Some(s) = c.replicas[i].status().await
             && s["committed"].as_u64() == Some(total)
@@ -54,7 +52,7 @@ async fn slow_sink_rss() -> f64 {
             tokio::spawn(async move {
                 use tokio::io::AsyncWriteExt;
                 let mut pending = Vec::new();
-                while support::read_request(&mut s, &mut pending).await.is_some() {
+                while testkit::http::read_request(&mut s, &mut pending).await.is_some() {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
                 }
@@ -109,7 +107,7 @@ async fn failover(runs: usize) -> (Vec<f64>, Vec<f64>) {
             .filter(|v| v["fields"]["message"] == "elected leader")
             .filter_map(|v| v["timestamp"].as_str().map(str::to_owned))
             .next_back()
-            .and_then(|t| support::parse_ts(&t))
+            .and_then(|t| parse_ts(&t))
             .expect("election logged");
         gaps.push((elected - released) * 1000.0);
         c.replicas[l].start();

@@ -6,11 +6,9 @@
 //! cursor never regresses and ends at the last seq; duplicates only where a crash (or a
 //! forced loss) left delivered-but-uncommitted events, none on graceful paths.
 
-mod support;
-
 use std::time::Duration;
 
-use support::{Cluster, Spec};
+use testkit::cluster::{Cluster, Spec};
 use tokio::time::sleep;
 
 fn scale() -> usize {
@@ -26,7 +24,7 @@ async fn started(name: &str, spec: Spec) -> (Cluster, usize, u64) {
 
 /// Waits until the output holds at least `n` distinct seqs.
 async fn progress(c: &Cluster, n: usize) {
-    let deadline = std::time::Instant::now() + support::WAIT;
+    let deadline = std::time::Instant::now() + testkit::WAIT;
     while c.seen().len() < n {
         assert!(std::time::Instant::now() < deadline, "no progress; logs in {}", c.dir.display());
         sleep(Duration::from_millis(20)).await;
@@ -183,7 +181,7 @@ async fn primary_relay_down_fails_over_to_secondary_and_back() {
     let (c, l, _) = started("failover", spec).await;
     progress(&c, 400).await;
     c.relay.handle().set_down(true);
-    let deadline = std::time::Instant::now() + support::WAIT;
+    let deadline = std::time::Instant::now() + testkit::WAIT;
     while c.replicas[l].status().await.is_none_or(|s| s["relay"] != "secondary") {
         assert!(std::time::Instant::now() < deadline, "never failed over");
         sleep(Duration::from_millis(50)).await;
@@ -209,7 +207,7 @@ async fn relay_garbage_and_error_frames_lose_nothing() {
     h.send_text("hello");
     // A corrupt copy of an event already delivered (seq 5): a replay, dropped quietly
     // instead of stopping the leader under the default bad-frame policy.
-    let mut replay = support::fixture()[4].to_vec();
+    let mut replay = testkit::fixture_frames()[4].to_vec();
     let at = replay.windows(3).position(|w| w == [0x62, b'o', b'p']).expect("op key");
     replay[at + 3] = 0x07;
     h.send_raw(bytes::Bytes::from(replay));
@@ -250,7 +248,7 @@ async fn lost_replies_on_the_leaders_redis_link_lose_nothing() {
     // Renewals and commits are applied, their answers never arrive.
     c.proxies[l].set_flow(testkit::Flow::DropReplies);
     let t0 = std::time::Instant::now();
-    let deadline = std::time::Instant::now() + support::WAIT;
+    let deadline = std::time::Instant::now() + testkit::WAIT;
     while c.replicas[l].status().await.is_some_and(|s| s["role"] == "leader") {
         assert!(std::time::Instant::now() < deadline, "the leader never noticed its replies were lost");
         sleep(Duration::from_millis(20)).await;
@@ -324,7 +322,7 @@ async fn failover_to_a_lagging_redis_replica_replays_but_never_loses_or_reuses_a
     let link = testkit::TcpProxy::start(c.redis.addr()).await;
     let replica = testkit::RedisServer::start_with(&["--replicaof", "127.0.0.1", &link.addr().port().to_string()]);
     let mut admin = replica.admin();
-    let deadline = std::time::Instant::now() + support::WAIT;
+    let deadline = std::time::Instant::now() + testkit::WAIT;
     loop {
         let info: String = redis::cmd("INFO").arg("replication").query(&mut admin).expect("info");
         if info.contains("master_link_status:up") {

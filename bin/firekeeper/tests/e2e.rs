@@ -7,13 +7,11 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-mod support;
-
 use relay_sim::capture;
-use support::{
-    WAIT, base_env, firekeeper, fixture, http_get, run_once, sigterm_and_wait, sim, tmpdir, wait_exit, wait_until,
-};
+use testkit::http::http_get;
+use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait, sim, wait_exit};
 use testkit::{PgServer, RedisServer, free_port};
+use testkit::{WAIT, eventually, fixture_frames as fixture, tmpdir};
 use tokio::io::AsyncWriteExt;
 
 const TOTAL: u64 = 1476;
@@ -46,7 +44,7 @@ async fn events_land_exactly_once_across_a_graceful_restart() {
     let mut env_a = env.clone();
     env_a.insert("FIREKEEPER_JSONL_PATH".into(), a_out.to_string_lossy().into_owned());
     let a = firekeeper(&env_a, &[], &dir.join("a.log"));
-    wait_until("a to write 300 events", || seqs_in(&[a_out.clone()]).len() >= 300).await;
+    eventually("a to write 300 events", WAIT, async || seqs_in(&[a_out.clone()]).len() >= 300).await;
     let mut env_b = env.clone();
     env_b.insert("FIREKEEPER_JSONL_PATH".into(), b_out.to_string_lossy().into_owned());
     let b = firekeeper(&env_b, &[], &dir.join("b.log"));
@@ -58,7 +56,7 @@ async fn events_land_exactly_once_across_a_graceful_restart() {
         std::fs::read_to_string(dir.join("a.log")).unwrap_or_default()
     );
     let files = [a_out.clone(), b_out.clone()];
-    wait_until("every seq", || seqs_in(&files).keys().next_back() == Some(&TOTAL)).await;
+    eventually("every seq", WAIT, async || seqs_in(&files).keys().next_back() == Some(&TOTAL)).await;
     let status = sigterm_and_wait(b);
     assert!(status.success());
     let seen = seqs_in(&files);
@@ -169,7 +167,7 @@ async fn flaky_webhook() -> (String, Arc<Mutex<Vec<String>>>, Arc<Mutex<u32>>) {
             let fail = n.is_multiple_of(3);
             let (acc, fails) = (acc.clone(), fails.clone());
             tokio::spawn(async move {
-                let Some(body) = support::read_request(&mut s, &mut Vec::new()).await else { return };
+                let Some(body) = testkit::http::read_request(&mut s, &mut Vec::new()).await else { return };
                 let status = if fail {
                     *fails.lock().expect("lock") += 1;
                     "500 Internal Server Error"
@@ -210,7 +208,7 @@ async fn webhook_sink_retries_failures_and_commits_only_after_2xx() {
         }
         m
     };
-    wait_until("all events accepted by the webhook", || got().len() as u64 == TOTAL).await;
+    eventually("all events accepted by the webhook", WAIT, async || got().len() as u64 == TOTAL).await;
     assert!(sigterm_and_wait(child).success());
     assert!(*failures.lock().expect("lock") > 0, "the receiver did fail some requests");
     let out = run_once(&env, &["cursor", "show"]);

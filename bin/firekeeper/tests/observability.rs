@@ -2,8 +2,6 @@
 //! use only metrics `/metrics` exposes, errors that name their cause, the human summary
 //! line, and `/status` with its lag.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,8 +9,10 @@ use std::time::{Duration, Instant};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use prost::Message as _;
-use support::{WAIT, base_env, firekeeper, http_get, run_once, sigterm_and_wait, sim, tmpdir, wait_until};
 use testkit::free_port;
+use testkit::http::http_get;
+use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait, sim};
+use testkit::{WAIT, eventually, tmpdir};
 use tokio::io::AsyncWriteExt;
 
 const TOTAL: u64 = 1476;
@@ -98,7 +98,7 @@ async fn otlp_receiver() -> (String, Arc<Mutex<Vec<ExportTraceServiceRequest>>>,
             let (g, r) = (g.clone(), r.clone());
             tokio::spawn(async move {
                 let mut pending = Vec::new();
-                while let Some((line, body)) = support::read_request_with_line(&mut s, &mut pending).await {
+                while let Some((line, body)) = testkit::http::read_request_with_line(&mut s, &mut pending).await {
                     if line.contains("/v1/traces") {
                         let req = ExportTraceServiceRequest::decode(body.as_slice()).expect("a valid OTLP export");
                         g.lock().expect("got").push(req);
@@ -148,14 +148,14 @@ async fn otlp_spans_arrive_with_their_attributes_and_no_secrets() {
             .map(|s| (s.name.clone(), s.attributes.iter().map(|a| (a.key.clone(), text(a.value.as_ref()))).collect()))
             .collect()
     };
-    wait_until("commit and relay_connect spans", || {
+    eventually("commit and relay_connect spans", WAIT, async || {
         let s = spans();
         s.iter().any(|(n, _)| n == "commit") && s.iter().any(|(n, _)| n == "relay_connect")
     })
     .await;
     assert!(sigterm_and_wait(child).success());
     // The term span ends with the term: flushed at shutdown.
-    wait_until("the term span", || spans().iter().any(|(n, _)| n == "term")).await;
+    eventually("the term span", WAIT, async || spans().iter().any(|(n, _)| n == "term")).await;
     let s = spans();
     let attrs = |name: &str| s.iter().find(|(n, _)| n == name).map(|(_, a)| a.clone()).expect(name);
     let has = |a: &[(String, String)], k: &str| a.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
@@ -188,7 +188,7 @@ async fn an_unreachable_lease_store_is_named_by_address_and_cause() {
     env.insert("REDIS_URL".into(), format!("redis://:s3cret@127.0.0.1:{port}/"));
     let mut child = firekeeper(&env, &[], &dir.join("named.log"));
     let log = || std::fs::read_to_string(dir.join("named.log")).unwrap_or_default();
-    wait_until("the lease store error", || log().contains("cannot reach the lease store")).await;
+    eventually("the lease store error", WAIT, async || log().contains("cannot reach the lease store")).await;
     let _ = child.kill();
     let _ = child.wait();
     let text = log();
@@ -200,7 +200,7 @@ async fn an_unreachable_lease_store_is_named_by_address_and_cause() {
 async fn text_logs_get_a_human_summary_line() {
     let (child, _http, dir) = leading_with_http("summary", &[("FIREKEEPER_LOG_FORMAT", "text")]).await;
     let log = || std::fs::read_to_string(dir.join("fk.log")).unwrap_or_default();
-    wait_until("a summary line", || log().lines().any(|l| l.starts_with("firekeeper: leader token"))).await;
+    eventually("a summary line", WAIT, async || log().lines().any(|l| l.starts_with("firekeeper: leader token"))).await;
     let line = log().lines().find(|l| l.starts_with("firekeeper: leader token")).map(str::to_owned).expect("line");
     for part in ["relay primary", "events/s", "lag", &format!("cursor {TOTAL}")] {
         assert!(line.contains(part), "{part} missing from {line:?}");

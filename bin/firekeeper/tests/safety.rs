@@ -3,8 +3,6 @@
 //! with a seq, a frozen leader with batches waiting for the jsonl lock, and a missing
 //! cursor after earlier terms. Every test here failed on the code before the fix.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -15,17 +13,17 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use relay_sim::{RelaySim, SimConfig, capture};
-use support::{
-    WAIT, base_env, firekeeper, fixture, http_get, run_once, sigterm_and_wait, sim, tmpdir, wait_exit, wait_until,
-};
+use testkit::http::http_get;
+use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait, sim, wait_exit};
 use testkit::{RedisServer, free_port};
+use testkit::{WAIT, eventually, fixture_frames as fixture, tmpdir};
 use tokio::io::AsyncWriteExt;
 
 const TOTAL: u64 = 1476;
 
 /// One HTTP request: its request line and body. `None` when the peer closed first.
 async fn read_http(s: &mut tokio::net::TcpStream) -> Option<(String, Vec<u8>)> {
-    support::read_request_with_line(s, &mut Vec::new()).await
+    testkit::http::read_request_with_line(s, &mut Vec::new()).await
 }
 
 async fn answer(s: &mut tokio::net::TcpStream, status: &str, extra: &str) {
@@ -101,8 +99,10 @@ async fn webhook_run(name: &str, hold: Duration, extra: &[(&str, &str)]) -> BTre
     }
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("run.log"));
-    wait_until("the cursor at the end of the fixture", || cursor_shown(&env).ends_with(&format!("cursor {TOTAL}")))
-        .await;
+    eventually("the cursor at the end of the fixture", WAIT, async || {
+        cursor_shown(&env).ends_with(&format!("cursor {TOTAL}"))
+    })
+    .await;
     assert!(sigterm_and_wait(child).success(), "{}", log_of(&dir, "run.log"));
     let got = seqs_of(&accepted.lock().expect("lock"));
     got
@@ -176,7 +176,7 @@ async fn a_redirecting_webhook_is_a_failure_and_moves_nothing() {
     env.insert("FIREKEEPER_DRAIN_BUDGET_MS".into(), "1000".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("redirect.log"));
-    wait_until("three redirected POSTs", || redirected.load(Ordering::SeqCst) >= 3).await;
+    eventually("three redirected POSTs", WAIT, async || redirected.load(Ordering::SeqCst) >= 3).await;
     let status = tokio::task::spawn_blocking(move || sigterm_and_wait(child)).await.expect("join");
     assert_eq!(status.code(), Some(1), "the drain cannot finish: nothing was delivered");
     assert_eq!(landed.load(Ordering::SeqCst), 0, "the redirect was never followed");
@@ -201,7 +201,7 @@ async fn future_cursor_live_rewinds_the_cursor_fenced_and_delivers_the_live_even
     env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
     assert!(run_once(&env, &["cursor", "set", "5000"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("live.log"));
-    wait_until("a live (cursor-less) connection after FutureCursor", || {
+    eventually("a live (cursor-less) connection after FutureCursor", WAIT, async || {
         let c = h.cursors();
         c.contains(&Some(5000)) && c.contains(&None) && h.open_connections() == 1
     })
@@ -212,7 +212,7 @@ async fn future_cursor_live_rewinds_the_cursor_fenced_and_delivers_the_live_even
         h.publish(relay_sim::with_seq(f, TOTAL + 1 + i as u64).expect("renumber"));
     }
     let want: BTreeSet<u64> = (TOTAL + 1..=TOTAL + 100).collect();
-    wait_until("the 100 live events in the sink", || seqs_in(&out) == want).await;
+    eventually("the 100 live events in the sink", WAIT, async || seqs_in(&out) == want).await;
     let (_, metrics) = http_get(&http, "/metrics").await.expect("metrics");
     assert!(metrics.contains("firekeeper_gaps_total{reason=\"future_cursor\"} 1"), "{metrics}");
     assert!(sigterm_and_wait(child).success());
@@ -260,7 +260,7 @@ async fn an_undecodable_event_stops_the_leader_before_it_unless_skip_is_chosen()
     env.insert("FIREKEEPER_BAD_FRAME".into(), "skip".into());
     let child = firekeeper(&env, &[], &dir.join("skip.log"));
     let want: BTreeSet<u64> = (1..=TOTAL).filter(|&s| s != 700).collect();
-    wait_until("every other event", || seqs_in(&out).len() == want.len() - 699).await;
+    eventually("every other event", WAIT, async || seqs_in(&out).len() == want.len() - 699).await;
     assert!(sigterm_and_wait(child).success());
     let mut got = seqs_in(&dir.join("fail.jsonl"));
     got.extend(seqs_in(&out));
@@ -384,8 +384,10 @@ async fn a_missing_cursor_after_earlier_terms_stops_instead_of_skipping_to_the_l
     env.insert("FIREKEEPER_SINK".into(), "null".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let a = firekeeper(&env, &[], &dir.join("a.log"));
-    wait_until("the first term to commit everything", || cursor_shown(&env).ends_with(&format!("cursor {TOTAL}")))
-        .await;
+    eventually("the first term to commit everything", WAIT, async || {
+        cursor_shown(&env).ends_with(&format!("cursor {TOTAL}"))
+    })
+    .await;
     assert!(sigterm_and_wait(a).success());
     // The store loses the cursor (eviction, a partial restore), the fence counter stays.
     let mut admin = redis.admin();
@@ -432,10 +434,10 @@ async fn sigterm_during_a_relay_switch_with_a_stuck_sink_still_exits_within_the_
     let child = firekeeper(&env, &[], &dir.join("switch.log"));
     // Everything is read into the lane (the sink holds the first batch), then the primary
     // goes away: the leader drains before switching, and that drain cannot finish.
-    wait_until("the relay connection", || log_of(&dir, "switch.log").contains("relay connected")).await;
+    eventually("the relay connection", WAIT, async || log_of(&dir, "switch.log").contains("relay connected")).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     primary.handle().set_down(true);
-    wait_until("the switch to begin", || log_of(&dir, "switch.log").contains("switching relay")).await;
+    eventually("the switch to begin", WAIT, async || log_of(&dir, "switch.log").contains("switching relay")).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let status = tokio::task::spawn_blocking(move || sigterm_and_wait(child)).await.expect("join");
     let log = log_of(&dir, "switch.log");

@@ -8,12 +8,7 @@ use testkit::PgServer;
 
 const FP: &str = "0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c";
 
-fn tmpdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("fk-ckpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("tmp");
-    d
-}
+use testkit::tmpdir;
 
 #[tokio::test]
 async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {

@@ -11,12 +11,7 @@ use lease::{BootClock, Clock, LeaseConfig, LeaseEvent, LocalBackend, OffsetClock
 use testkit::RedisServer;
 use tokio::time::timeout;
 
-fn tmpdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("fk-clock-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("tmp");
-    d
-}
+use testkit::tmpdir;
 
 async fn elect(dir: &std::path::Path, clock: Arc<dyn Clock>, ttl: Duration) -> (lease::LeaseHandle, lease::Term) {
     let cfg = LeaseConfig { poll: Duration::from_millis(50), ..LeaseConfig::from_ttl(ttl) };

@@ -7,12 +7,7 @@ use lease::{Backend, LeaseConfig, LeaseEvent, LocalBackend, TokioClock};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio::time::timeout;
 
-fn tmpdir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("fk-lease-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("tmp");
-    d
-}
+use testkit::tmpdir;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_file_lease_hands_over_with_increasing_tokens_and_records_metrics() {

@@ -11,7 +11,7 @@ use testkit::{RedisServer, TcpProxy};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{sleep, timeout};
 
-const WAIT: Duration = Duration::from_secs(20);
+use testkit::WAIT;
 
 fn cfg(prefix: &str) -> LeaseConfig {
     // ttl 2 s: renew every 400 ms, op timeout 250 ms, margin 500 ms.

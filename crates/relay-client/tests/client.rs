@@ -8,14 +8,9 @@ use relay_client::client::{BadFramePolicy, Stats, SwitchReason};
 use relay_client::{
     ClientConfig, ConnError, DecodeError, Item, Notice, RelayRole, RelayUrl, SubscribeError, Subscription,
 };
-use relay_sim::{RelaySim, SimConfig, capture};
+use relay_sim::{RelaySim, SimConfig};
 
-const DEADLINE: Duration = Duration::from_secs(20);
-
-fn fixture() -> Vec<Bytes> {
-    let p = testkit::fixture("pds-capture.frames");
-    capture::read(&p).expect("fixture")
-}
+use testkit::{WAIT as DEADLINE, fixture_frames as fixture};
 
 fn cfg() -> ClientConfig {
     ClientConfig {

@@ -6,6 +6,15 @@
 //!   `postgres` user when the tests run as root, since `PostgreSQL` refuses root).
 //! - [`TcpProxy`]: a loopback TCP proxy that can cut the link or add latency, to separate
 //!   one client from a server while others still reach it.
+//! - [`proc`]: the `firekeeper` binary started from a test; [`cluster`]: several of them
+//!   behind proxies, with the oracle over their output; [`http`]: a GET and a request
+//!   reader for test webhook receivers.
+//! - [`tmpdir`], [`eventually`], [`fixture`], [`WAIT`]: the one home of the helpers every
+//!   suite needs.
+
+pub mod cluster;
+pub mod http;
+pub mod proc;
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::process::{Child, Command, Stdio};

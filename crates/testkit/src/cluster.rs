@@ -2,174 +2,53 @@
 //! redis-server, a TCP proxy per replica in front of it (to cut or slow one replica's
 //! link alone), relay-sim as primary (and optionally secondary) relay, and an oracle over
 //! every replica's sink output.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use relay_sim::{RelaySim, SimConfig, capture};
-use testkit::{RedisServer, TcpProxy, free_port};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-pub const WAIT: Duration = Duration::from_secs(90);
-
-pub fn fixture() -> Vec<bytes::Bytes> {
-    capture::read(&testkit::fixture("pds-capture.frames")).expect("fixture")
-}
-
-/// A relay-sim replaying the fixture: all published at once (`None`) or paced.
-pub async fn sim(rate: Option<u32>) -> RelaySim {
-    let cfg = SimConfig { rate, initial_head: rate.map(|_| 0), ..SimConfig::default() };
-    RelaySim::start_with(fixture(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
-}
-
-/// The environment of a single firekeeper with fast lease timings.
-pub fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
-    [
-        ("FIREKEEPER_RELAY", relay.to_owned()),
-        ("FIREKEEPER_DATA_DIR", dir.join("data").to_string_lossy().into_owned()),
-        ("FIREKEEPER_HTTP_ADDR", "off".to_owned()),
-        ("FIREKEEPER_LEASE_TTL_MS", "2000".to_owned()),
-        ("FIREKEEPER_LEASE_RENEW_MS", "400".to_owned()),
-        ("FIREKEEPER_LEASE_OP_TIMEOUT_MS", "250".to_owned()),
-        ("FIREKEEPER_LEASE_MARGIN_MS", "500".to_owned()),
-        ("FIREKEEPER_LEASE_POLL_MS", "200".to_owned()),
-        ("FIREKEEPER_COMMIT_INTERVAL_MS", "100".to_owned()),
-        ("RUST_LOG", "info".to_owned()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect()
-}
-
-/// Starts the binary with `env` only, stderr to `log`.
-pub fn firekeeper(env: &HashMap<String, String>, args: &[&str], log: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log"))
-        .spawn()
-        .expect("firekeeper binary")
-}
-
-/// Runs a subcommand to completion.
-pub fn run_once(env: &HashMap<String, String>, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_firekeeper"))
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env)
-        .output()
-        .expect("firekeeper binary")
-}
-
-/// Waits for `f`, failing after [`WAIT`].
-pub async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// SIGTERM, then [`wait_exit`].
-pub fn sigterm_and_wait(c: Child) -> std::process::ExitStatus {
-    assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
-    wait_exit(c)
-}
-
-/// Waits for the process to exit, failing after [`WAIT`].
-pub fn wait_exit(mut c: Child) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(s) = c.try_wait().expect("wait") {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "firekeeper did not exit in time");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-pub fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fk-{name}-{}-{}", std::process::id(), free_port()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("tmp");
-    d
-}
-
-pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut s =
-        tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(addr)).await.ok()?.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = String::new();
-    tokio::time::timeout(Duration::from_millis(500), s.read_to_string(&mut buf)).await.ok()?.ok()?;
-    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, buf.split_once("\r\n\r\n")?.1.to_owned()))
-}
-
-/// Reads one HTTP request from `s` and returns its body; bytes of a following request
-/// stay in `pending`. `None` when the peer closed. For the test webhook receivers.
-pub async fn read_request(s: &mut tokio::net::TcpStream, pending: &mut Vec<u8>) -> Option<Vec<u8>> {
-    read_request_with_line(s, pending).await.map(|(_, body)| body)
-}
-
-/// [`read_request`], also returning the request line (`POST /hook HTTP/1.1`).
-pub async fn read_request_with_line(s: &mut tokio::net::TcpStream, pending: &mut Vec<u8>) -> Option<(String, Vec<u8>)> {
-    let mut chunk = vec![0u8; 1 << 16];
-    loop {
-        if let Some(i) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&pending[..i]).into_owned();
-            let len: usize = head
-                .to_lowercase()
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:").map(str::to_owned))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            if pending.len() >= i + 4 + len {
-                let line = head.lines().next().unwrap_or_default().to_owned();
-                let body = pending[i + 4..i + 4 + len].to_vec();
-                pending.drain(..i + 4 + len);
-                return Some((line, body));
-            }
-        }
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(k) => pending.extend_from_slice(&chunk[..k]),
-        }
-    }
-}
+use crate::http::http_get;
+use crate::proc::firekeeper_bin;
+use crate::{RedisServer, TcpProxy, WAIT, fixture_frames, free_port, tmpdir};
 
 /// One firekeeper process slot (restartable).
 pub struct Replica {
+    /// Slot name (`r0`, `r1`…): prefixes its log and output files.
     pub name: String,
+    /// The running process, if any.
     pub child: Option<Child>,
+    /// Its `/status` and `/metrics` address.
     pub http: String,
+    /// Its environment (the cluster's plus its own Redis proxy and HTTP address).
     pub env: HashMap<String, String>,
+    /// Where its logs and jsonl outputs go.
     pub dir: PathBuf,
+    /// How many times it was started (one log and one output file per start).
     pub starts: usize,
 }
 
 impl Replica {
+    /// Every jsonl output file, one per start.
     pub fn out_files(&self) -> Vec<PathBuf> {
         (0..self.starts).map(|i| self.dir.join(format!("{}-{i}.jsonl", self.name))).collect()
     }
 
+    /// Every log file, one per start.
     pub fn log_files(&self) -> Vec<PathBuf> {
         (0..self.starts).map(|i| self.dir.join(format!("{}-{i}.log", self.name))).collect()
     }
 
+    /// Starts a new process in this slot, with a fresh log and output file.
     pub fn start(&mut self) {
         assert!(self.child.is_none(), "{} already running", self.name);
         let out = self.dir.join(format!("{}-{}.jsonl", self.name, self.starts));
         let log = self.dir.join(format!("{}-{}.log", self.name, self.starts));
         self.starts += 1;
-        let child = Command::new(env!("CARGO_BIN_EXE_firekeeper"))
+        let child = Command::new(firekeeper_bin())
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .envs(&self.env)
@@ -188,10 +67,12 @@ impl Replica {
         }
     }
 
+    /// The running process id.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
 
+    /// SIGKILL and reap.
     pub fn sigkill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -213,14 +94,17 @@ impl Replica {
         }
     }
 
+    /// SIGSTOP: a frozen process that still holds its sockets.
     pub fn sigstop(&self) {
         self.signal("-STOP");
     }
 
+    /// SIGCONT.
     pub fn sigcont(&self) {
         self.signal("-CONT");
     }
 
+    /// Its `/status` as JSON; `None` when it does not answer.
     pub async fn status(&self) -> Option<serde_json::Value> {
         let (code, body) = http_get(&self.http, "/status").await?;
         (code == 200).then(|| serde_json::from_str(&body).ok()).flatten()
@@ -244,14 +128,19 @@ impl Drop for Replica {
 
 /// Settings of a cluster.
 pub struct Spec {
+    /// How many replicas.
     pub replicas: usize,
     /// Copies of the fixture in the relay's log.
     pub copies: usize,
     /// Relay pace in frames/s; `None` = all published at once.
     pub rate: Option<u32>,
+    /// Whether a second relay-sim serves as secondary.
     pub secondary: bool,
+    /// Lease ttl; renew, op timeout and margin derive from it.
     pub ttl_ms: u64,
+    /// `FIREKEEPER_SINK` of every replica.
     pub sink: &'static str,
+    /// More environment for every replica.
     pub extra_env: Vec<(&'static str, String)>,
 }
 
@@ -269,14 +158,23 @@ impl Default for Spec {
     }
 }
 
+/// A running cluster: dropped, it stops the watchers; each `Replica` kills its process.
 pub struct Cluster {
+    /// The Redis every replica's lease and cursor live on.
     pub redis: RedisServer,
+    /// The primary relay.
     pub relay: RelaySim,
+    /// The secondary relay, with `Spec::secondary`.
     pub relay2: Option<RelaySim>,
+    /// One fault proxy per replica, in front of `redis`.
     pub proxies: Vec<TcpProxy>,
+    /// The replica slots.
     pub replicas: Vec<Replica>,
+    /// The directory of every log and output.
     pub dir: PathBuf,
+    /// How many events (with a seq) the relay serves.
     pub total: u64,
+    /// Every value of the primary's stored cursor seen, in order.
     pub cursor_history: Arc<Mutex<Vec<u64>>>,
     /// Where the cursor watcher reads (a Redis failover moves it).
     pub watch_url: Arc<Mutex<String>>,
@@ -318,10 +216,11 @@ fn watch_roles(addrs: Vec<String>, overlaps: Arc<Mutex<Vec<String>>>) -> tokio::
 }
 
 impl Cluster {
+    /// Starts Redis, the relays and the proxies (not the replicas: see `start_all`).
     pub async fn start(name: &str, spec: Spec) -> Self {
         let dir = tmpdir(name);
         let redis = RedisServer::start();
-        let frames = capture::repeat(&fixture(), spec.copies);
+        let frames = capture::repeat(&fixture_frames(), spec.copies);
         let total = frames.iter().filter(|f| relay_sim::frame_seq(f).is_some()).count() as u64;
         let sim_cfg = SimConfig { rate: spec.rate, initial_head: spec.rate.map(|_| 0), ..SimConfig::default() };
         let relay = RelaySim::start_with(frames.clone(), sim_cfg.clone(), "127.0.0.1:0".parse().expect("addr"))
@@ -414,6 +313,7 @@ impl Cluster {
         }
     }
 
+    /// Starts every replica.
     pub fn start_all(&mut self) {
         for r in &mut self.replicas {
             r.start();
@@ -469,6 +369,7 @@ impl Cluster {
         m
     }
 
+    /// Waits until every seq appears in some output.
     pub async fn wait_complete(&self) {
         let deadline = Instant::now() + WAIT;
         loop {
@@ -543,16 +444,9 @@ pub fn log_time(files: &[PathBuf], message: &str) -> Option<f64> {
     None
 }
 
-/// `2026-12-02T14:27:51.530159Z` → seconds of the day (enough for differences).
+/// An RFC 3339 log timestamp as Unix seconds (for differences between log lines).
+#[must_use]
 pub fn parse_ts(s: &str) -> Option<f64> {
-    let t = s.split('T').nth(1)?.trim_end_matches('Z');
-    let mut it = t.split(':');
-    let h: f64 = it.next()?.parse().ok()?;
-    let m: f64 = it.next()?.parse().ok()?;
-    let sec: f64 = it.next()?.parse().ok()?;
-    Some(h * 3600.0 + m * 60.0 + sec)
-}
-
-pub fn path_display(p: &Path) -> String {
-    p.display().to_string()
+    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
+    Some(t.unix_timestamp_nanos() as f64 / 1e9)
 }
