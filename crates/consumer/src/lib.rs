@@ -408,3 +408,18 @@ async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> R
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// An embedding service spawns `run` on its runtime: the future must be `Send`.
+    /// (An `AsyncFnMut` in the store retry loop once made it not, for every caller.)
+    #[test]
+    fn run_is_spawnable() {
+        fn assert_send<T: Send>(_: &T) {}
+        fn check(c: super::Consumer) {
+            let fut = c.run(std::future::pending::<()>());
+            assert_send(&fut);
+        }
+        let _ = check;
+    }
+}

@@ -98,11 +98,14 @@ const STORE_RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_milli
 
 /// Retries `f` while the store is unavailable, logging what it waits for and the next
 /// delay; ends early when the term ends or shutdown is requested.
-async fn while_active<T>(
+///
+/// `f` is a plain closure returning a future (not an `AsyncFnMut`): the future of an
+/// async closure cannot be proven `Send`, and `Consumer::run` must be spawnable.
+async fn while_active<T, F: Future<Output = Result<T, StoreError>>>(
     cx: &Ctx<'_>,
     term: &Term,
     what: &str,
-    mut f: impl AsyncFnMut() -> Result<T, StoreError>,
+    mut f: impl FnMut() -> F,
 ) -> Result<Result<T, StoreError>, Interrupted> {
     let mut backoff = Backoff::new(STORE_RETRY);
     loop {
