@@ -88,3 +88,70 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
         eprintln!("firekeeper: {}{token}{relay} · {rate:.0} events/s · lag {lag} · cursor {cursor}", s.role.as_str());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    fn root() -> &'static Path {
+        Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+    }
+
+    /// `firekeeper_…` metric names in `text`.
+    fn names(text: &str) -> BTreeSet<&str> {
+        let mut out = BTreeSet::new();
+        let mut rest = text;
+        while let Some(i) = rest.find("firekeeper_") {
+            let tail = &rest[i..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(tail.len());
+            out.insert(&tail[..end]);
+            rest = &tail[end..];
+        }
+        out
+    }
+
+    /// The README names exactly the metrics the crates define: none undocumented, none
+    /// documented that nothing emits.
+    #[test]
+    fn readme_lists_every_metric_and_only_those() {
+        let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+        let documented = names(&readme);
+        let defined: BTreeSet<&str> =
+            consumer::metrics::ALL.iter().chain(lease::metrics::ALL).map(|m| m.name).collect();
+        let undocumented: Vec<_> = defined.difference(&documented).collect();
+        assert!(undocumented.is_empty(), "metrics missing from the README: {undocumented:?}");
+        let unknown: Vec<_> = documented.difference(&defined).collect();
+        assert!(unknown.is_empty(), "the README lists metrics no crate defines: {unknown:?}");
+    }
+
+    /// A metric name written anywhere but a crate's `metrics.rs` table would bypass the
+    /// registration and this README check.
+    #[test]
+    fn metric_names_are_written_only_in_the_metrics_tables() {
+        let mut stray = Vec::new();
+        for top in ["crates", "bin"] {
+            for krate in std::fs::read_dir(root().join(top)).expect("dir").flatten() {
+                let mut todo = vec![krate.path().join("src")];
+                while let Some(d) = todo.pop() {
+                    for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                        let p = e.path();
+                        if p.is_dir() {
+                            todo.push(p);
+                        } else if p.extension().is_some_and(|x| x == "rs")
+                            && p.file_name().is_some_and(|f| f != "metrics.rs" && f != "telemetry.rs")
+                        {
+                            let text = std::fs::read_to_string(&p).expect("source");
+                            if text.contains("\"firekeeper_") {
+                                stray.push(p.display().to_string());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(stray.is_empty(), "metric names written outside a metrics.rs table: {stray:?}");
+    }
+}

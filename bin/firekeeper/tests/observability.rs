@@ -58,7 +58,7 @@ async fn leading_with_http(name: &str, extra: &[(&str, &str)]) -> (std::process:
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dashboard_and_alert_rules_use_only_metrics_that_metrics_exposes() {
+async fn dashboards_alerts_and_readme_agree_with_what_metrics_exposes() {
     let (child, http, _dir) = leading_with_http("names", &[]).await;
     // Everything is registered at startup except the renewal histogram, which appears
     // with the first renewal (a histogram has no zero value to start from).
@@ -81,6 +81,16 @@ async fn dashboard_and_alert_rules_use_only_metrics_that_metrics_exposes() {
         let missing: Vec<_> = used.difference(&exposed).collect();
         assert!(missing.is_empty(), "{file} uses metrics /metrics does not expose: {missing:?}\nexposed: {exposed:?}");
     }
+    // Every name a scrape shows is documented (a histogram by its base name).
+    let readme = metric_names(&std::fs::read_to_string(root.join("README.md")).expect("README.md"));
+    let undocumented: Vec<_> = exposed
+        .iter()
+        .filter(|n| {
+            let base = ["_sum", "_count", "_bucket"].iter().find_map(|s| n.strip_suffix(s)).unwrap_or(n);
+            !readme.contains(*n) && !readme.contains(base)
+        })
+        .collect();
+    assert!(undocumented.is_empty(), "/metrics shows names the README does not list: {undocumented:?}");
     let (_, status) = http_get(&http, "/status").await.expect("status");
     let status: serde_json::Value = serde_json::from_str(&status).expect("json");
     assert!(status["lag_seconds"].as_f64().is_some(), "lag_seconds is filled while events flow: {status}");
