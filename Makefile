@@ -4,7 +4,7 @@
 #   make bench   decode benchmark (criterion) and figures through the real binary
 #   make chaos   the fault suite at scale 4 (make test runs it at scale 1)
 #   make soak    30 minutes of random faults under the chaos oracle (make test runs 20 s)
-#   make lint    clippy, pedantic, as warnings
+#   make lint    the CI style gates: rustfmt check, clippy (pedantic) with warnings as errors
 
 CARGO ?= cargo
 SHELL := /bin/bash
@@ -38,7 +38,8 @@ soak: deps
 	FIREKEEPER_SOAK_SECS=$${FIREKEEPER_SOAK_SECS:-1800} $(CARGO) nextest run -p firekeeper --test chaos --no-capture -E 'test(soak)'
 
 lint:
-	$(CARGO) clippy --workspace --all-targets
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all

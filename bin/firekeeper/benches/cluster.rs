@@ -1,12 +1,17 @@
 //! `make bench` (second half): figures measured through the real binary.
 //!
-//! - end-to-end frames/s from relay-sim through firekeeper with the null sink;
+//! - the raw WebSocket ceiling (a client that only reads frames) and, in the same run,
+//!   end-to-end frames/s from relay-sim through firekeeper with the null and jsonl sinks
+//!   (and a baseline binary given in `FIREKEEPER_BENCH_BASELINE`), with the ratio;
 //! - peak RSS of a leader feeding a slow webhook sink (backpressure must bound memory);
 //! - crash failover time (SIGKILL the leader → another replica leads), ≥ 10 runs;
 //! - graceful handover gap (old leader's release → new leader's election, from their
 //!   logs), ≥ 10 runs.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+use relay_sim::{RelaySim, SimConfig, capture};
 
 use testkit::WAIT;
 use testkit::cluster::{Cluster, Spec, log_time, parse_ts};
@@ -29,17 +34,68 @@ async fn wait_committed(c: &Cluster, i: usize, total: u64) {
     }
 }
 
-async fn throughput() -> (u64, f64) {
-    let spec = Spec { replicas: 1, copies: 70, rate: None, sink: "null", ..Spec::default() };
+/// Copies of the fixture in the throughput runs (103,320 frames).
+const COPIES: usize = 70;
+
+/// Runs of each throughput figure (the VM is noisy; medians are reported).
+const RUNS: usize = 3;
+
+/// The ceiling: a client that only reads frames off the socket (no decode, no lease, no
+/// sink) from the same relay-sim with the same frames, first frame to last.
+async fn raw_ceiling() -> (u64, f64) {
+    use futures_util::StreamExt as _;
+    let frames = capture::repeat(&testkit::fixture_frames(), COPIES);
+    let total = frames.iter().filter(|f| relay_sim::frame_seq(f).is_some()).count() as u64;
+    let sim = RelaySim::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("relay-sim");
+    let url = format!("{}{}?cursor=0", sim.url(), relay_client::relay_url::SUBSCRIBE_PATH);
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.expect("connect");
+    let (mut n, mut t0) = (0u64, None);
+    while n < total {
+        match ws.next().await {
+            Some(Ok(tokio_tungstenite::tungstenite::Message::Binary(_))) => {
+                n += 1;
+                t0.get_or_insert_with(Instant::now);
+            }
+            Some(Ok(_)) => {}
+            other => panic!("the raw reader lost the stream after {n} frames: {other:?}"),
+        }
+    }
+    let secs = t0.expect("a frame").elapsed().as_secs_f64();
+    (total, (total - 1) as f64 / secs)
+}
+
+/// Steady-state frames/s through the binary: from the first commit to the last, so the
+/// figure is the pipeline's and not Redis's or the election's start-up.
+async fn throughput(bin: Option<PathBuf>, sink: &'static str) -> (u64, f64) {
+    let spec = Spec { replicas: 1, copies: COPIES, rate: None, sink, bin, ..Spec::default() };
     let mut c = Cluster::start("bench-tput", spec).await;
     c.start_all();
     let (l, _) = c.wait_leader(None).await;
-    let t0 = Instant::now();
     let total = c.total;
+    let deadline = Instant::now() + WAIT;
+    let (c0, t0) = loop {
+        if let Some(s) = c.replicas[l].status().await
+            && let Some(c0) = s["committed"].as_u64().filter(|&c| c > 0)
+        {
+            break (c0, Instant::now());
+        }
+        assert!(Instant::now() < deadline, "never committed; logs in {}", c.dir.display());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    assert!(c0 < total / 2, "the first commit came too late to measure ({c0} of {total}): raise COPIES");
     wait_committed(&c, l, total).await;
     let secs = t0.elapsed().as_secs_f64();
-    #[allow(clippy::cast_precision_loss)]
-    (total, total as f64 / secs)
+    (total, (total - c0) as f64 / secs)
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    stats(xs).0
+}
+
+fn runs(xs: &[f64]) -> String {
+    xs.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(" · ")
 }
 
 async fn slow_sink_rss() -> f64 {
@@ -121,8 +177,40 @@ fn main() {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async {
-        let (n, fps) = throughput().await;
-        println!("end-to-end: {n} frames relay-sim → firekeeper (redis lease, null sink): {fps:.0} frames/s");
+        // Alternated, so drift in the VM's speed hits every figure alike.
+        let baseline = std::env::var_os("FIREKEEPER_BENCH_BASELINE").map(PathBuf::from);
+        let (mut raw, mut null, mut jsonl, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut n = 0;
+        for _ in 0..RUNS {
+            raw.push(raw_ceiling().await.1);
+            let (total, fps) = throughput(None, "null").await;
+            n = total;
+            null.push(fps);
+            jsonl.push(throughput(None, "jsonl").await.1);
+            if let Some(b) = &baseline {
+                base.push(throughput(Some(b.clone()), "null").await.1);
+            }
+        }
+        let (r, f) = (median(&mut raw.clone()), median(&mut null.clone()));
+        println!("raw WebSocket ceiling (read frames only), {n} frames, {RUNS} runs: {} → median {r:.0} frames/s", runs(&raw));
+        println!(
+            "end-to-end relay-sim → firekeeper (redis lease, null sink), {RUNS} runs: {} → median {f:.0} frames/s",
+            runs(&null)
+        );
+        println!("ratio end-to-end / raw ceiling: {:.2}", f / r);
+        println!(
+            "end-to-end with the jsonl sink (JSON rendered in the lanes, written to a file), {RUNS} runs: {} → median {:.0} frames/s",
+            runs(&jsonl),
+            median(&mut jsonl.clone())
+        );
+        if let Some(b) = &baseline {
+            println!(
+                "baseline {} (null sink), {RUNS} runs: {} → median {:.0} frames/s",
+                b.display(),
+                runs(&base),
+                median(&mut base.clone())
+            );
+        }
         let rss = slow_sink_rss().await;
         println!("peak RSS with a slow webhook sink (20 ms per 100 events): {rss:.1} MiB");
         let (mut crash, mut gaps) = failover(10).await;

@@ -29,6 +29,8 @@ pub struct Replica {
     pub dir: PathBuf,
     /// How many times it was started (one log and one output file per start).
     pub starts: usize,
+    /// The binary it runs.
+    pub bin: PathBuf,
 }
 
 impl Replica {
@@ -48,7 +50,7 @@ impl Replica {
         let out = self.dir.join(format!("{}-{}.jsonl", self.name, self.starts));
         let log = self.dir.join(format!("{}-{}.log", self.name, self.starts));
         self.starts += 1;
-        let child = Command::new(firekeeper_bin())
+        let child = Command::new(&self.bin)
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .envs(&self.env)
@@ -142,6 +144,8 @@ pub struct Spec {
     pub sink: &'static str,
     /// More environment for every replica.
     pub extra_env: Vec<(&'static str, String)>,
+    /// The binary to run; [`firekeeper_bin`] when `None` (a bench may compare versions).
+    pub bin: Option<PathBuf>,
 }
 
 impl Default for Spec {
@@ -154,6 +158,7 @@ impl Default for Spec {
             ttl_ms: 2000,
             sink: "jsonl",
             extra_env: Vec::new(),
+            bin: None,
         }
     }
 }
@@ -272,7 +277,15 @@ impl Cluster {
             let http = format!("127.0.0.1:{}", free_port());
             env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
             proxies.push(proxy);
-            replicas.push(Replica { name: format!("r{i}"), child: None, http, env, dir: dir.clone(), starts: 0 });
+            replicas.push(Replica {
+                name: format!("r{i}"),
+                child: None,
+                http,
+                env,
+                dir: dir.clone(),
+                starts: 0,
+                bin: spec.bin.clone().unwrap_or_else(firekeeper_bin),
+            });
         }
         let history = Arc::new(Mutex::new(Vec::new()));
         let watch_url = Arc::new(Mutex::new(redis.url()));
