@@ -173,6 +173,167 @@ impl Vars {
     }
 }
 
+/// The parts of [`Config`], each read and checked on its own.
+impl Vars {
+    /// Every `FIREKEEPER_*` variable that is not a setting is an error: a typo must not
+    /// fall back to a default.
+    fn refuse_unknown(&mut self) {
+        let mut unknown: Vec<String> = self
+            .map
+            .keys()
+            .filter(|k| k.starts_with("FIREKEEPER_") && !SETTINGS.iter().any(|s| s.name == k.as_str()))
+            .map(|u| format!("{u} is not a firekeeper setting (see the README's table)"))
+            .collect();
+        unknown.sort();
+        self.errors.extend(unknown);
+    }
+
+    fn store(&mut self, redis: bool) -> StoreKind {
+        let store = if !self.is_set("FIREKEEPER_CURSOR_STORE") && redis {
+            StoreKind::Redis
+        } else {
+            match self.choice("FIREKEEPER_CURSOR_STORE") {
+                "redis" => StoreKind::Redis,
+                "postgres" => StoreKind::Postgres,
+                _ => StoreKind::File,
+            }
+        };
+        if store == StoreKind::Redis && !redis {
+            self.errors.push("FIREKEEPER_CURSOR_STORE=redis needs REDIS_URL".into());
+        }
+        if store == StoreKind::File && redis {
+            self.errors.push(
+                "FIREKEEPER_CURSOR_STORE=file cannot be fenced by the Redis lease; use redis or postgres with REDIS_URL"
+                    .into(),
+            );
+        }
+        store
+    }
+
+    fn sink(&mut self) -> SinkKind {
+        match self.choice("FIREKEEPER_SINK") {
+            "postgres" => SinkKind::Postgres,
+            "null" => SinkKind::Null,
+            "webhook" => {
+                let url = self.text("FIREKEEPER_WEBHOOK_URL");
+                let batch = self.count("FIREKEEPER_WEBHOOK_BATCH");
+                let timeout = self.ms("FIREKEEPER_WEBHOOK_TIMEOUT_MS");
+                match url {
+                    Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
+                        SinkKind::Webhook { url: u, batch, timeout }
+                    }
+                    Some(_) => {
+                        self.errors.push("FIREKEEPER_WEBHOOK_URL must be an http:// or https:// URL".into());
+                        SinkKind::Null
+                    }
+                    None => {
+                        self.errors.push("FIREKEEPER_SINK=webhook needs FIREKEEPER_WEBHOOK_URL".into());
+                        SinkKind::Null
+                    }
+                }
+            }
+            _ => SinkKind::Jsonl(self.text("FIREKEEPER_JSONL_PATH").unwrap_or_else(|| "-".into())),
+        }
+    }
+
+    /// Sink, cursor store and lease must fit together.
+    fn check_pairing(&mut self, store: StoreKind, sink: &SinkKind, redis: bool, database: bool) {
+        if (*sink == SinkKind::Postgres || store == StoreKind::Postgres) && !database {
+            self.errors.push("the postgres sink and cursor store need DATABASE_URL".into());
+        }
+        if *sink == SinkKind::Postgres && store != StoreKind::Postgres {
+            self.errors.push(
+                "FIREKEEPER_SINK=postgres keeps the cursor in the same transaction: set FIREKEEPER_CURSOR_STORE=postgres"
+                    .into(),
+            );
+        }
+        if store == StoreKind::Postgres && *sink != SinkKind::Postgres && !redis {
+            self.errors.push(
+                "FIREKEEPER_CURSOR_STORE=postgres needs REDIS_URL for the lease (or use the postgres sink)".into(),
+            );
+        }
+    }
+
+    fn lease(&mut self) -> LeaseConfig {
+        let lease = LeaseConfig {
+            ttl: self.ms("FIREKEEPER_LEASE_TTL_MS"),
+            renew_every: self.ms("FIREKEEPER_LEASE_RENEW_MS"),
+            op_timeout: self.ms("FIREKEEPER_LEASE_OP_TIMEOUT_MS"),
+            margin: self.ms("FIREKEEPER_LEASE_MARGIN_MS"),
+            poll: self.ms("FIREKEEPER_LEASE_POLL_MS"),
+            key_prefix: self.text("FIREKEEPER_KEY_PREFIX").unwrap_or_default(),
+        };
+        if let Err(e) = lease.validate() {
+            for p in e.problems {
+                self.errors.push(format!("FIREKEEPER_LEASE_*: {p}"));
+            }
+        }
+        lease
+    }
+
+    fn http_addr(&mut self) -> Option<SocketAddr> {
+        match self.text("FIREKEEPER_HTTP_ADDR").as_deref() {
+            None | Some("off") => None,
+            Some(a) => {
+                let parsed = a.parse().ok();
+                if parsed.is_none() {
+                    self.errors.push(format!("FIREKEEPER_HTTP_ADDR={a:?} is not host:port (or off)"));
+                }
+                parsed
+            }
+        }
+    }
+
+    fn client(&mut self) -> ClientConfig {
+        let client = ClientConfig {
+            connect_timeout: self.ms("FIREKEEPER_CONNECT_TIMEOUT_MS"),
+            stall_timeout: self.ms("FIREKEEPER_STALL_TIMEOUT_MS"),
+            failover_after: u32::try_from(self.count("FIREKEEPER_FAILOVER_AFTER")).unwrap_or(3),
+            probe_interval: self.ms("FIREKEEPER_PROBE_INTERVAL_MS"),
+            future_cursor: match self.choice("FIREKEEPER_FUTURE_CURSOR") {
+                "live" => FutureCursorPolicy::GoLive,
+                _ => FutureCursorPolicy::Fail,
+            },
+            bad_frame: match self.choice("FIREKEEPER_BAD_FRAME") {
+                "skip" => BadFramePolicy::Skip,
+                _ => BadFramePolicy::Fail,
+            },
+            max_frame_bytes: self.count("FIREKEEPER_MAX_FRAME_BYTES"),
+            ..ClientConfig::default()
+        };
+        if client.max_frame_bytes < 1024 {
+            self.errors.push("FIREKEEPER_MAX_FRAME_BYTES must be at least 1024".into());
+        }
+        client
+    }
+
+    fn options(&mut self, ttl: Duration) -> Options {
+        let entries: Vec<String> = self
+            .text("FIREKEEPER_COLLECTIONS")
+            .map(|c| c.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
+            .unwrap_or_default();
+        let collections = CollectionFilter::new(entries).unwrap_or_else(|bad| {
+            self.errors.push(format!("FIREKEEPER_COLLECTIONS entry {bad:?} is not an NSID or `prefix.*`"));
+            None
+        });
+        let options = Options {
+            lanes: self.count("FIREKEEPER_LANES"),
+            queue_depth: self.count("FIREKEEPER_QUEUE_DEPTH"),
+            commit_interval: self.ms("FIREKEEPER_COMMIT_INTERVAL_MS"),
+            drain_budget: self.ms("FIREKEEPER_DRAIN_BUDGET_MS"),
+            collections,
+            verify_blocks: matches!(self.choice("FIREKEEPER_VERIFY_BLOCKS"), "true" | "1" | "yes"),
+        };
+        if options.drain_budget >= ttl * 10 {
+            self.errors.push(
+                "FIREKEEPER_DRAIN_BUDGET_MS is over ten lease ttls: a stuck drain would hold the lease for too long"
+                    .into(),
+            );
+        }
+        options
+    }
+}
+
 fn or_list(choices: &[&str]) -> String {
     match choices {
         [] => String::new(),
@@ -190,18 +351,14 @@ impl Config {
     /// Reads from an explicit map of variables (tests).
     pub fn from_source(vars: HashMap<String, String>) -> Result<Self, ConfigErrors> {
         let mut v = Vars { map: vars, errors: Vec::new() };
-        let mut unknown: Vec<&String> = v
-            .map
-            .keys()
-            .filter(|k| k.starts_with("FIREKEEPER_") && !SETTINGS.iter().any(|s| s.name == k.as_str()))
-            .collect();
-        unknown.sort();
-        let unknown: Vec<String> =
-            unknown.into_iter().map(|u| format!("{u} is not a firekeeper setting (see the README's table)")).collect();
-        v.errors.extend(unknown);
+        v.refuse_unknown();
         let redis_url = v.text("REDIS_URL");
         let database_url = v.text("DATABASE_URL");
-
+        if let Some(u) = &redis_url
+            && redis::Client::open(u.as_str()).is_err()
+        {
+            v.errors.push("REDIS_URL is not a valid redis:// or rediss:// URL".into());
+        }
         let relay = v.relay("FIREKEEPER_RELAY");
         let relay_secondary = v.relay("FIREKEEPER_RELAY_SECONDARY");
         if let (Some(p), Some(s)) = (&relay, &relay_secondary)
@@ -209,130 +366,14 @@ impl Config {
         {
             v.errors.push("FIREKEEPER_RELAY_SECONDARY is the same relay as FIREKEEPER_RELAY".into());
         }
-        if let Some(u) = &redis_url
-            && redis::Client::open(u.as_str()).is_err()
-        {
-            v.errors.push("REDIS_URL is not a valid redis:// or rediss:// URL".into());
-        }
-
-        let store = if !v.is_set("FIREKEEPER_CURSOR_STORE") && redis_url.is_some() {
-            StoreKind::Redis
-        } else {
-            match v.choice("FIREKEEPER_CURSOR_STORE") {
-                "redis" => StoreKind::Redis,
-                "postgres" => StoreKind::Postgres,
-                _ => StoreKind::File,
-            }
-        };
-        if store == StoreKind::Redis && redis_url.is_none() {
-            v.errors.push("FIREKEEPER_CURSOR_STORE=redis needs REDIS_URL".into());
-        }
-        if store == StoreKind::File && redis_url.is_some() {
-            v.errors.push("FIREKEEPER_CURSOR_STORE=file cannot be fenced by the Redis lease; use redis or postgres with REDIS_URL".into());
-        }
-        let sink = match v.choice("FIREKEEPER_SINK") {
-            "postgres" => SinkKind::Postgres,
-            "null" => SinkKind::Null,
-            "webhook" => {
-                let url = v.text("FIREKEEPER_WEBHOOK_URL");
-                let batch = v.count("FIREKEEPER_WEBHOOK_BATCH");
-                let timeout = v.ms("FIREKEEPER_WEBHOOK_TIMEOUT_MS");
-                match url {
-                    Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
-                        SinkKind::Webhook { url: u, batch, timeout }
-                    }
-                    Some(_) => {
-                        v.errors.push("FIREKEEPER_WEBHOOK_URL must be an http:// or https:// URL".into());
-                        SinkKind::Null
-                    }
-                    None => {
-                        v.errors.push("FIREKEEPER_SINK=webhook needs FIREKEEPER_WEBHOOK_URL".into());
-                        SinkKind::Null
-                    }
-                }
-            }
-            _ => SinkKind::Jsonl(v.text("FIREKEEPER_JSONL_PATH").unwrap_or_else(|| "-".into())),
-        };
-        if (sink == SinkKind::Postgres || store == StoreKind::Postgres) && database_url.is_none() {
-            v.errors.push("the postgres sink and cursor store need DATABASE_URL".into());
-        }
-        if sink == SinkKind::Postgres && store != StoreKind::Postgres {
-            v.errors.push("FIREKEEPER_SINK=postgres keeps the cursor in the same transaction: set FIREKEEPER_CURSOR_STORE=postgres".into());
-        }
-        if store == StoreKind::Postgres && sink != SinkKind::Postgres && redis_url.is_none() {
-            v.errors.push(
-                "FIREKEEPER_CURSOR_STORE=postgres needs REDIS_URL for the lease (or use the postgres sink)".into(),
-            );
-        }
-
-        let entries: Vec<String> = v
-            .text("FIREKEEPER_COLLECTIONS")
-            .map(|c| c.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect())
-            .unwrap_or_default();
-        let collections = CollectionFilter::new(entries).unwrap_or_else(|bad| {
-            v.errors.push(format!("FIREKEEPER_COLLECTIONS entry {bad:?} is not an NSID or `prefix.*`"));
-            None
-        });
-
-        let lease = LeaseConfig {
-            ttl: v.ms("FIREKEEPER_LEASE_TTL_MS"),
-            renew_every: v.ms("FIREKEEPER_LEASE_RENEW_MS"),
-            op_timeout: v.ms("FIREKEEPER_LEASE_OP_TIMEOUT_MS"),
-            margin: v.ms("FIREKEEPER_LEASE_MARGIN_MS"),
-            poll: v.ms("FIREKEEPER_LEASE_POLL_MS"),
-            key_prefix: v.text("FIREKEEPER_KEY_PREFIX").unwrap_or_default(),
-        };
-        if let Err(e) = lease.validate() {
-            for p in e.problems {
-                v.errors.push(format!("FIREKEEPER_LEASE_*: {p}"));
-            }
-        }
-        let http_addr = match v.text("FIREKEEPER_HTTP_ADDR").as_deref() {
-            None | Some("off") => None,
-            Some(a) => {
-                if let Ok(a) = a.parse() {
-                    Some(a)
-                } else {
-                    v.errors.push(format!("FIREKEEPER_HTTP_ADDR={a:?} is not host:port (or off)"));
-                    None
-                }
-            }
-        };
-        let client = ClientConfig {
-            connect_timeout: v.ms("FIREKEEPER_CONNECT_TIMEOUT_MS"),
-            stall_timeout: v.ms("FIREKEEPER_STALL_TIMEOUT_MS"),
-            failover_after: u32::try_from(v.count("FIREKEEPER_FAILOVER_AFTER")).unwrap_or(3),
-            probe_interval: v.ms("FIREKEEPER_PROBE_INTERVAL_MS"),
-            future_cursor: match v.choice("FIREKEEPER_FUTURE_CURSOR") {
-                "live" => FutureCursorPolicy::GoLive,
-                _ => FutureCursorPolicy::Fail,
-            },
-            bad_frame: match v.choice("FIREKEEPER_BAD_FRAME") {
-                "skip" => BadFramePolicy::Skip,
-                _ => BadFramePolicy::Fail,
-            },
-            max_frame_bytes: v.count("FIREKEEPER_MAX_FRAME_BYTES"),
-            ..ClientConfig::default()
-        };
-        if client.max_frame_bytes < 1024 {
-            v.errors.push("FIREKEEPER_MAX_FRAME_BYTES must be at least 1024".into());
-        }
-        let verify_blocks = matches!(v.choice("FIREKEEPER_VERIFY_BLOCKS"), "true" | "1" | "yes");
+        let store = v.store(redis_url.is_some());
+        let sink = v.sink();
+        v.check_pairing(store, &sink, redis_url.is_some(), database_url.is_some());
+        let lease = v.lease();
+        let http_addr = v.http_addr();
+        let client = v.client();
+        let options = v.options(lease.ttl);
         let log_json = v.choice("FIREKEEPER_LOG_FORMAT") == "json";
-        let options = Options {
-            lanes: v.count("FIREKEEPER_LANES"),
-            queue_depth: v.count("FIREKEEPER_QUEUE_DEPTH"),
-            commit_interval: v.ms("FIREKEEPER_COMMIT_INTERVAL_MS"),
-            drain_budget: v.ms("FIREKEEPER_DRAIN_BUDGET_MS"),
-            collections,
-            verify_blocks,
-        };
-        if options.drain_budget >= lease.ttl * 10 {
-            v.errors.push(
-                "FIREKEEPER_DRAIN_BUDGET_MS is over ten lease ttls: a stuck drain would hold the lease for too long"
-                    .into(),
-            );
-        }
         let data_dir = PathBuf::from(v.text("FIREKEEPER_DATA_DIR").unwrap_or_default());
         let legacy_cursor_prefix = v.text("FIREKEEPER_LEGACY_CURSOR_PREFIX");
         let instance_id = v.text("FIREKEEPER_INSTANCE_ID");

@@ -60,7 +60,7 @@ fn main() -> ExitCode {
 
 async fn dispatch(cfg: Config, command: Command) -> Result<()> {
     match command {
-        Command::Run => run(cfg).await,
+        Command::Run => Box::pin(run(cfg)).await,
         Command::CheckConfig | Command::Settings => Ok(()),
         Command::Cursor { action: CursorAction::Show { relay } } => commands::cursor_show(&cfg, relay).await,
         Command::Cursor { action: CursorAction::Set { seq, relay } } => commands::cursor_set(&cfg, relay, seq).await,

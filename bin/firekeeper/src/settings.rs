@@ -56,9 +56,10 @@ pub fn setting(name: &str) -> &'static Setting {
 /// The README's configuration table, one row per setting.
 #[must_use]
 pub fn markdown_table() -> String {
+    use std::fmt::Write as _;
     let mut out = String::from("| variable | default | meaning |\n|---|---|---|\n");
     for s in SETTINGS {
-        out.push_str(&format!("| `{}` | {} | {} |\n", s.name, s.default_cell(), s.help));
+        let _ = writeln!(out, "| `{}` | {} | {} |", s.name, s.default_cell(), s.help);
     }
     out
 }

@@ -104,9 +104,8 @@ mod tests {
         let mut rest = text;
         while let Some(i) = rest.find("firekeeper_") {
             let tail = &rest[i..];
-            let end = tail
-                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
-                .unwrap_or(tail.len());
+            let end =
+                tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
             out.insert(&tail[..end]);
             rest = &tail[end..];
         }

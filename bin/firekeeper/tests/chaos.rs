@@ -360,7 +360,8 @@ async fn failover_to_a_lagging_redis_replica_replays_but_never_loses_or_reuses_a
     let dups = c.check_with(1);
     eprintln!("lagging replica: {dups} seqs replayed");
     // No token was ever held by two processes.
-    let mut holders: std::collections::BTreeMap<u64, std::collections::BTreeSet<String>> = Default::default();
+    let mut holders: std::collections::BTreeMap<u64, std::collections::BTreeSet<String>> =
+        std::collections::BTreeMap::new();
     for r in &c.replicas {
         for (i, f) in r.out_files().iter().enumerate() {
             let text = std::fs::read_to_string(f).unwrap_or_default();
@@ -398,7 +399,7 @@ async fn soak_random_faults_under_the_oracle() {
     };
     let (mut c, _, _) = started("soak", Spec { copies, rate: Some(rate), ..Spec::default() }).await;
     let until = std::time::Instant::now() + Duration::from_secs(secs);
-    let mut faults: std::collections::BTreeMap<&'static str, usize> = Default::default();
+    let mut faults: std::collections::BTreeMap<&'static str, usize> = std::collections::BTreeMap::new();
     while std::time::Instant::now() < until {
         sleep(Duration::from_millis(500 + next(2000))).await;
         let Some((l, _)) = c.leader().await else { continue };

@@ -44,7 +44,7 @@ async fn events_land_exactly_once_across_a_graceful_restart() {
     let mut env_a = env.clone();
     env_a.insert("FIREKEEPER_JSONL_PATH".into(), a_out.to_string_lossy().into_owned());
     let a = firekeeper(&env_a, &[], &dir.join("a.log"));
-    eventually("a to write 300 events", WAIT, async || seqs_in(&[a_out.clone()]).len() >= 300).await;
+    eventually("a to write 300 events", WAIT, async || seqs_in(std::slice::from_ref(&a_out)).len() >= 300).await;
     let mut env_b = env.clone();
     env_b.insert("FIREKEEPER_JSONL_PATH".into(), b_out.to_string_lossy().into_owned());
     let b = firekeeper(&env_b, &[], &dir.join("b.log"));

@@ -49,11 +49,6 @@ impl FileStore {
         }
     }
 
-    /// Reads a relay's cursor.
-    pub async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
-        self.read_sync(fingerprint)
-    }
-
     fn holder(&self) -> Result<Option<String>, StoreError> {
         match std::fs::read_to_string(&self.lease_file) {
             Ok(s) => Ok(Some(s.trim().to_owned())),
@@ -124,7 +119,7 @@ impl crate::CursorStore for FileStore {
     }
 
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
-        Self::read(self, fingerprint).await
+        self.read_sync(fingerprint)
     }
 
     async fn commit(

@@ -109,6 +109,7 @@ pub struct RedisStore {
     delete_if: Script,
 }
 
+#[allow(clippy::needless_pass_by_value)] // the shape `map_err` wants
 fn err(e: OpError) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }

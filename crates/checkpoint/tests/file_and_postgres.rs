@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use checkpoint::{CommitOutcome, FileStore, PostgresStore, ReadOutcome, StoreError};
+use checkpoint::{CommitOutcome, CursorStore as _, FileStore, PostgresStore, ReadOutcome, StoreError};
 use testkit::PgServer;
 
 const FP: &str = "0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c";

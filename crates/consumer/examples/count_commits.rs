@@ -56,7 +56,7 @@ async fn build(
     start: Option<u64>,
     counts: Arc<Counts>,
 ) -> Result<consumer::Consumer, Box<dyn std::error::Error>> {
-    use checkpoint::ReadOutcome;
+    use checkpoint::{CursorStore as _, ReadOutcome};
     std::fs::create_dir_all(dir)?;
     let lock = dir.join("lease.lock");
     let lease = Arc::new(lease::LocalBackend::new(&lock));

@@ -43,6 +43,7 @@ impl Role {
     }
 }
 
+#[allow(clippy::ref_option, clippy::trivially_copy_pass_by_ref)] // serde's `serialize_with` passes `&Field`
 fn relay_name<S: serde::Serializer>(r: &Option<RelayRole>, s: S) -> Result<S::Ok, S::Error> {
     match r {
         Some(r) => s.serialize_str(r.as_str()),

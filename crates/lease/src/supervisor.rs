@@ -540,12 +540,13 @@ impl<B: Backend> Supervisor<B> {
     async fn observe(&mut self) -> Result<(), BackendError> {
         let snap = self.call(self.backend.snapshot()).await?;
         self.seen = self.seen.max(snap.fence);
-        match snap.holder {
-            Some(holder) => self.on_held(&holder, snap.ttl),
-            None => tracing::warn!(
+        if let Some(holder) = snap.holder {
+            self.on_held(&holder, snap.ttl);
+        } else {
+            tracing::warn!(
                 wait_ms = self.not_before.map_or(0, |nb| nb.saturating_sub(self.clock.now()).as_millis() as u64),
                 "the lease key vanished before the holder last seen could have expired; waiting out its ttl"
-            ),
+            );
         }
         Ok(())
     }

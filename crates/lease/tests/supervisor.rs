@@ -182,7 +182,7 @@ async fn failing_store_keeps_the_leader_exactly_until_send_time_plus_window() {
     let failed_at = clock.now();
     // Deadline = 2 s (send time of the last good renew) + 10 s - 2.5 s = 9.5 s.
     let deadline = Duration::from_millis(9500);
-    sleep(deadline.checked_sub(failed_at).unwrap() - Duration::from_millis(1)).await;
+    sleep(deadline.checked_sub(failed_at).unwrap().checked_sub(Duration::from_millis(1)).unwrap()).await;
     assert!(t.is_active(), "still leading 1 ms before the deadline");
     assert!(ev.try_recv().is_err());
     sleep(Duration::from_millis(2)).await;

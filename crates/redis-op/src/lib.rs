@@ -29,7 +29,7 @@ pub struct Conn {
     /// `host:port` (never the URL: it may carry a password), for error messages.
     addr: String,
     op_timeout: Duration,
-    conn: Mutex<Option<MultiplexedConnection>>,
+    slot: Mutex<Option<MultiplexedConnection>>,
 }
 
 impl std::fmt::Debug for Conn {
@@ -67,7 +67,7 @@ impl Conn {
     pub fn open(url: &str, op_timeout: Duration) -> Result<Self, OpError> {
         let client = redis::Client::open(url).map_err(|e| OpError::Unavailable(describe(&e)))?;
         let addr = client.get_connection_info().addr().to_string();
-        Ok(Self { client, addr, op_timeout, conn: Mutex::new(None) })
+        Ok(Self { client, addr, op_timeout, slot: Mutex::new(None) })
     }
 
     /// The underlying client (for pub/sub, which needs its own connection).
@@ -90,7 +90,7 @@ impl Conn {
     {
         let attempt = async {
             let conn = {
-                let mut guard = self.conn.lock().await;
+                let mut guard = self.slot.lock().await;
                 if let Some(c) = guard.as_ref() {
                     c.clone()
                 } else {
@@ -112,7 +112,7 @@ impl Conn {
             Err(_) => Err(OpError::Timeout(self.op_timeout)),
         };
         if r.is_err() {
-            *self.conn.lock().await = None;
+            *self.slot.lock().await = None;
         }
         r
     }

@@ -90,31 +90,31 @@ impl<'a> Car<'a> {
     }
 }
 
-fn parse_header(b: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
+fn parse_header(bytes: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
     let cb = |source| DecodeError::Cbor { part: "car header", source };
-    let mut r = Reader::new(b);
-    let n = r.map().map_err(cb)?;
+    let mut rd = Reader::new(bytes);
+    let entries = rd.map().map_err(cb)?;
     let mut roots = None;
     let mut version = None;
     let mut prev = None;
-    for _ in 0..n {
-        let k = r.key(prev).map_err(cb)?;
-        prev = Some(k);
-        match k {
+    for _ in 0..entries {
+        let key = rd.key(prev).map_err(cb)?;
+        prev = Some(key);
+        match key {
             "roots" => {
-                let len = r.array().map_err(cb)?;
+                let len = rd.array().map_err(cb)?;
                 let mut v = Vec::with_capacity(len.min(16) as usize);
                 for _ in 0..len {
-                    let c = r.link().map_err(cb)?;
+                    let c = rd.link().map_err(cb)?;
                     v.push(Cid::from_bytes(c).map_err(|source| DecodeError::Cid { field: "CAR root", source })?);
                 }
                 roots = Some(v);
             }
-            "version" => version = Some(r.u64().map_err(cb)?),
-            _ => r.skip().map_err(cb)?,
+            "version" => version = Some(rd.u64().map_err(cb)?),
+            _ => rd.skip().map_err(cb)?,
         }
     }
-    r.end().map_err(cb)?;
+    rd.end().map_err(cb)?;
     match version {
         Some(1) => {}
         Some(v) => return Err(car_err(format!("CAR version {v} is not 1"))),

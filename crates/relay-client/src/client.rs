@@ -156,7 +156,7 @@ impl OwnedFrame {
     /// Decodes `bytes` into an owned frame; `None` unless it is a message with a seq
     /// (error frames, `#info` and seq-less frames are not events).
     pub fn decode_event(bytes: Vec<u8>, relay: RelayRole) -> Result<Option<Self>, DecodeError> {
-        let frame = Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(bytes, |b| frame::decode(b))?;
+        let frame = Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(bytes, frame::decode)?;
         let seq = match frame.get() {
             Frame::Message(m) => m.seq(),
             Frame::Error(_) => None,
@@ -194,7 +194,7 @@ impl fmt::Debug for OwnedFrame {
             .field("relay", &self.relay)
             .field("kind", &self.message().kind())
             .field("len", &self.bytes().len())
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -613,6 +613,9 @@ impl Subscription {
         }
     }
 
+    // One arm per WebSocket message kind, each applying the frame policies in order;
+    // split up, the policy for one frame would be spread over several functions.
+    #[allow(clippy::too_many_lines)]
     fn on_message(
         &mut self,
         msg: Option<Result<WsMessage, tungstenite::Error>>,

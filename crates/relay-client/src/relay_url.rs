@@ -125,7 +125,11 @@ mod tests {
     use super::*;
 
     fn sha(s: &str) -> String {
-        Sha256::digest(s.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+        Sha256::digest(s.as_bytes()).iter().fold(String::new(), |mut out, b| {
+            use std::fmt::Write as _;
+            let _ = write!(out, "{b:02x}");
+            out
+        })
     }
 
     #[test]

@@ -350,8 +350,17 @@ fn parse_cursor(query: Option<&str>) -> Result<Option<u64>, ()> {
     Ok(None)
 }
 
+/// Where a subscription starts in the log.
+enum Start {
+    At(usize),
+    Outdated(usize),
+    Future,
+}
+
 async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite::tungstenite::Error> {
     let mut query = None;
+    // The callback's signature is tungstenite's: its error type is the HTTP response.
+    #[allow(clippy::result_large_err)]
     let ws = tokio_tungstenite::accept_hdr_async(tcp, |req: &Request, resp: Response| {
         query = req.uri().query().map(str::to_owned);
         Ok(resp)
@@ -369,11 +378,6 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
     shared.cursors.lock().expect("cursors").push(cursor);
 
     // Where to start in the log, decided without holding the lock across a send.
-    enum Start {
-        At(usize),
-        Outdated(usize),
-        Future,
-    }
     let start = {
         let log = shared.log.lock().expect("log");
         let h = *head.borrow();

@@ -54,7 +54,7 @@ async fn a_write_that_waited_for_the_jsonl_lock_past_the_deadline_writes_nothing
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!write.is_finished(), "the write passed its first check and waits for the lock");
     // The deadline passes while it waits (the supervisor has not run yet).
-    clock.advance(Duration::from_secs(3600));
+    clock.advance(Duration::from_hours(1));
     assert!(!ctx.term.is_active());
     drop(guard);
     let r = write.await.expect("join");
@@ -79,7 +79,7 @@ async fn no_webhook_request_is_sent_after_the_deadline() {
     });
     let _ = rustls::crypto::ring::default_provider().install_default();
     let sink = Webhook::new(&url, 10, Duration::from_secs(5)).expect("client");
-    clock.advance(Duration::from_secs(3600));
+    clock.advance(Duration::from_hours(1));
     assert!(matches!(sink.handle(&events(1), &ctx).await, Err(HandlerError::Cancelled)));
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(accepted.load(Ordering::SeqCst), 0, "no request was sent");
@@ -93,25 +93,25 @@ async fn a_postgres_batch_that_waited_on_a_lock_past_the_deadline_is_rolled_back
     let pg = testkit::PgServer::start();
     let dir = testkit::tmpdir("sink-pg");
     let clock = Arc::new(OffsetClock::default());
-    let (h, ctx) = term_with(clock.clone(), &dir).await;
+    let (lease, ctx) = term_with(clock.clone(), &dir).await;
     let sink = Arc::new(Postgres::connect(&pg.url()).await.expect("pg"));
     let (mut locker, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
     tokio::spawn(conn);
     let tx = locker.transaction().await.expect("tx");
     tx.batch_execute("LOCK TABLE firekeeper_events IN ACCESS EXCLUSIVE MODE").await.expect("lock");
-    let (s, c) = (sink.clone(), ctx.clone());
-    let write = tokio::spawn(async move { s.handle(&events(2), &c).await });
+    let (writer, wctx) = (sink.clone(), ctx.clone());
+    let write = tokio::spawn(async move { writer.handle(&events(2), &wctx).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!write.is_finished(), "the INSERT waits for the lock");
-    clock.advance(Duration::from_secs(3600));
+    clock.advance(Duration::from_hours(1));
     tx.rollback().await.expect("unlock");
-    let r = write.await.expect("join");
-    assert!(matches!(r, Err(HandlerError::Cancelled)), "{r:?}");
-    let c = sink.0.lock().await;
-    let n: i64 = c.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
-    let cursors: i64 = c.query_one("SELECT count(*) FROM firekeeper_cursors", &[]).await.expect("count").get(0);
-    assert_eq!((n, cursors), (0, 0), "neither rows nor cursor landed");
-    h.abandon().await;
+    let outcome = write.await.expect("join");
+    assert!(matches!(outcome, Err(HandlerError::Cancelled)), "{outcome:?}");
+    let db = sink.0.lock().await;
+    let rows: i64 = db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
+    let cursors: i64 = db.query_one("SELECT count(*) FROM firekeeper_cursors", &[]).await.expect("count").get(0);
+    assert_eq!((rows, cursors), (0, 0), "neither rows nor cursor landed");
+    lease.abandon().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,7 +125,7 @@ async fn no_sink_write_starts_after_the_deadline() {
     sink.handle(&evs[..1], &ctx).await.expect("written while active");
     let written = std::fs::read(&out).expect("read").len();
     assert!(written > 0);
-    clock.advance(Duration::from_secs(3600));
+    clock.advance(Duration::from_hours(1));
     assert!(matches!(sink.handle(&evs[1..], &ctx).await, Err(HandlerError::Cancelled)));
     assert_eq!(std::fs::read(&out).expect("read").len(), written);
     h.abandon().await;

@@ -35,11 +35,13 @@ pub struct Replica {
 
 impl Replica {
     /// Every jsonl output file, one per start.
+    #[must_use]
     pub fn out_files(&self) -> Vec<PathBuf> {
         (0..self.starts).map(|i| self.dir.join(format!("{}-{i}.jsonl", self.name))).collect()
     }
 
     /// Every log file, one per start.
+    #[must_use]
     pub fn log_files(&self) -> Vec<PathBuf> {
         (0..self.starts).map(|i| self.dir.join(format!("{}-{i}.log", self.name))).collect()
     }
@@ -113,6 +115,7 @@ impl Replica {
     }
 
     /// Peak resident set size in KiB.
+    #[must_use]
     pub fn peak_rss_kib(&self) -> Option<u64> {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
         s.lines()
@@ -220,6 +223,29 @@ fn watch_roles(addrs: Vec<String>, overlaps: Arc<Mutex<Vec<String>>>) -> tokio::
     })
 }
 
+/// Records every value of the cursor at `key` (every 10 ms) into `history`, reading
+/// from whatever Redis `url` names at the time (a Redis failover moves it).
+fn watch_cursor(url: Arc<Mutex<String>>, key: String, history: Arc<Mutex<Vec<u64>>>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let u = url.lock().expect("url").clone();
+            let Ok(client) = redis::Client::open(u) else { return };
+            if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+                loop {
+                    let v: Result<Option<u64>, _> = redis::cmd("GET").arg(&key).query_async(&mut c).await;
+                    match v {
+                        Ok(Some(v)) => history.lock().expect("history").push(v),
+                        Ok(None) => {}
+                        Err(_) => break,
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
 impl Cluster {
     /// Starts Redis, the relays and the proxies (not the replicas: see `start_all`).
     pub async fn start(name: &str, spec: Spec) -> Self {
@@ -290,24 +316,7 @@ impl Cluster {
         let history = Arc::new(Mutex::new(Vec::new()));
         let watch_url = Arc::new(Mutex::new(redis.url()));
         let (h, wu, key) = (history.clone(), watch_url.clone(), format!("{{firekeeper}}:cursor:{fp}"));
-        let watcher = tokio::spawn(async move {
-            loop {
-                let url = wu.lock().expect("url").clone();
-                let Ok(client) = redis::Client::open(url) else { return };
-                if let Ok(mut c) = client.get_multiplexed_async_connection().await {
-                    loop {
-                        let v: Result<Option<u64>, _> = redis::cmd("GET").arg(&key).query_async(&mut c).await;
-                        match v {
-                            Ok(Some(v)) => h.lock().expect("history").push(v),
-                            Ok(None) => {}
-                            Err(_) => break,
-                        }
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
+        let watcher = watch_cursor(wu, key, h);
         let overlaps = Arc::new(Mutex::new(Vec::new()));
         let roles = watch_roles(replicas.iter().map(|r| r.http.clone()).collect(), overlaps.clone());
         Self {
@@ -364,6 +373,7 @@ impl Cluster {
     }
 
     /// seq → [(replica, token)] over every output file.
+    #[must_use]
     pub fn seen(&self) -> BTreeMap<u64, Vec<(usize, u64)>> {
         let mut m: BTreeMap<u64, Vec<(usize, u64)>> = BTreeMap::new();
         for (i, r) in self.replicas.iter().enumerate() {
@@ -403,12 +413,14 @@ impl Cluster {
     }
 
     /// The oracle. Returns the number of duplicated seqs (allowed only after crashes).
+    #[allow(clippy::must_use_candidate)] // it asserts; the count is for callers that want it
     pub fn check(&self) -> usize {
         self.check_with(0)
     }
 
     /// The oracle, allowing the stored cursor to move back `rewinds` times (a failover
     /// to a Redis replica that lagged: replays, never a gap).
+    #[allow(clippy::must_use_candidate)] // it asserts; the count is for callers that want it
     pub fn check_with(&self, rewinds: usize) -> usize {
         let overlaps = self.overlaps.lock().expect("overlaps").clone();
         assert!(overlaps.is_empty(), "two replicas led at once (replica, token): {overlaps:?}");
@@ -437,6 +449,7 @@ impl Cluster {
     }
 
     /// The highest token any committed cursor carried: read fence-seen.
+    #[must_use]
     pub fn fence_seen(&self) -> u64 {
         let mut c = self.redis.admin();
         redis::cmd("GET").arg("{firekeeper}:fence-seen").query::<Option<u64>>(&mut c).expect("get").unwrap_or(0)

@@ -35,6 +35,7 @@ pub async fn sim(rate: Option<u32>) -> RelaySim {
 }
 
 /// The environment of a single firekeeper with fast lease timings.
+#[must_use]
 pub fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
     [
         ("FIREKEEPER_RELAY", relay.to_owned()),
@@ -54,7 +55,8 @@ pub fn base_env(relay: &str, dir: &Path) -> HashMap<String, String> {
 }
 
 /// Starts the binary with `env` only, stderr to `log`.
-pub fn firekeeper(env: &HashMap<String, String>, args: &[&str], log: &Path) -> Child {
+#[must_use]
+pub fn firekeeper<S: std::hash::BuildHasher>(env: &HashMap<String, String, S>, args: &[&str], log: &Path) -> Child {
     Command::new(firekeeper_bin())
         .args(args)
         .env_clear()
@@ -67,7 +69,8 @@ pub fn firekeeper(env: &HashMap<String, String>, args: &[&str], log: &Path) -> C
 }
 
 /// Runs a subcommand to completion.
-pub fn run_once(env: &HashMap<String, String>, args: &[&str]) -> Output {
+#[must_use]
+pub fn run_once<S: std::hash::BuildHasher>(env: &HashMap<String, String, S>, args: &[&str]) -> Output {
     Command::new(firekeeper_bin())
         .args(args)
         .env_clear()
@@ -78,12 +81,14 @@ pub fn run_once(env: &HashMap<String, String>, args: &[&str]) -> Output {
 }
 
 /// SIGTERM, then [`wait_exit`].
+#[must_use]
 pub fn sigterm_and_wait(c: Child) -> std::process::ExitStatus {
     assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
     wait_exit(c)
 }
 
 /// Waits for the process to exit, failing after [`WAIT`].
+#[must_use]
 pub fn wait_exit(mut c: Child) -> std::process::ExitStatus {
     let deadline = Instant::now() + WAIT;
     loop {
