@@ -1,0 +1,74 @@
+//! What a handler may rely on when a term ends: nothing the term still held is handed to
+//! it afterwards, even by a handler that never calls `BatchCtx::ensure_active`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use consumer::{BatchCtx, Builder, Event, Handler, HandlerError, Options, async_trait};
+use relay_client::RelayUrl;
+use relay_sim::{RelaySim, SimConfig};
+use tokio::sync::Notify;
+
+/// Blocks in its first batch until released; counts calls, and calls after `stopped`.
+#[derive(Default)]
+struct Gate {
+    calls: AtomicUsize,
+    after_stop: AtomicUsize,
+    stopped: AtomicBool,
+    release: Notify,
+}
+
+#[async_trait]
+impl Handler for Gate {
+    async fn handle(&self, _batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        if self.stopped.load(Ordering::SeqCst) {
+            self.after_stop.fetch_add(1, Ordering::SeqCst);
+        }
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.release.notified().await;
+        }
+        Ok(())
+    }
+
+    fn max_batch(&self) -> usize {
+        16
+    }
+}
+
+/// A drain that outlives its budget abandons the lanes: the batch in the handler is
+/// dropped and the queued ones are never handed over, once `run` has returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_abandoned_drain_no_batch_reaches_the_handler() {
+    let sim = RelaySim::start_with(testkit::fixture_frames(), SimConfig::default(), "127.0.0.1:0".parse().expect("a"))
+        .await
+        .expect("relay-sim");
+    let relay = RelayUrl::parse(&sim.url()).expect("url");
+    let dir = testkit::tmpdir("term-end");
+    let lock = dir.join("lease.lock");
+    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
+    store.force(relay.fingerprint(), 0).await.expect("seed");
+    let gate = Arc::new(Gate::default());
+    let options = Options { lanes: 1, queue_depth: 64, drain_budget: Duration::from_millis(300), ..Options::default() };
+    let consumer = Builder::new(relay)
+        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
+        .store(store)
+        .shared_handler(gate.clone())
+        .options(options)
+        .build()
+        .expect("build");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer.run(async {
+        let _ = stopped.await;
+    }));
+    testkit::eventually("the first batch in the handler", testkit::WAIT, async || gate.calls.load(Ordering::SeqCst) >= 1)
+        .await;
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(testkit::WAIT, run).await.expect("run returned after the drain budget");
+    gate.stopped.store(true, Ordering::SeqCst);
+    gate.release.notify_waiters();
+    // Give a lane that survived the term every chance to go on.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(gate.calls.load(Ordering::SeqCst), 1, "only the blocked batch was ever handed over");
+    assert_eq!(gate.after_stop.load(Ordering::SeqCst), 0, "no batch after run returned");
+}
