@@ -12,25 +12,12 @@ use prost::Message as _;
 use testkit::free_port;
 use testkit::http::http_get;
 use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait, sim};
-use testkit::{WAIT, eventually, tmpdir};
+use testkit::{WAIT, eventually, metric_names, tmpdir};
 use tokio::io::AsyncWriteExt;
 
 const TOTAL: u64 = 1476;
 
 /// Every `firekeeper_*` name in a text.
-fn metric_names(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let mut rest = text;
-    while let Some(i) = rest.find("firekeeper_") {
-        let tail = &rest[i..];
-        let end =
-            tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
-        out.insert(tail[..end].to_owned());
-        rest = &tail[end..];
-    }
-    out
-}
-
 async fn leading_with_http(name: &str, extra: &[(&str, &str)]) -> (std::process::Child, String, std::path::PathBuf) {
     let relay = sim(None).await;
     let dir = tmpdir(name);

@@ -61,8 +61,10 @@ async fn after_an_abandoned_drain_no_batch_reaches_the_handler() {
     let run = tokio::spawn(consumer.run(async {
         let _ = stopped.await;
     }));
-    testkit::eventually("the first batch in the handler", testkit::WAIT, async || gate.calls.load(Ordering::SeqCst) >= 1)
-        .await;
+    testkit::eventually("the first batch in the handler", testkit::WAIT, async || {
+        gate.calls.load(Ordering::SeqCst) >= 1
+    })
+    .await;
     let _ = stop.send(());
     let _ = tokio::time::timeout(testkit::WAIT, run).await.expect("run returned after the drain budget");
     gate.stopped.store(true, Ordering::SeqCst);

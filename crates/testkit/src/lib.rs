@@ -81,6 +81,21 @@ pub async fn eventually(what: &str, timeout: std::time::Duration, mut f: impl As
     }
 }
 
+/// Every `firekeeper_…` metric name in `text` (a scrape, a dashboard, the README).
+#[must_use]
+pub fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("firekeeper_") {
+        let tail = &rest[i..];
+        let end =
+            tail.find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
+        out.insert(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
+}
+
 /// A `redis-server` child process owned by one test.
 pub struct RedisServer {
     port: u16,
