@@ -48,13 +48,20 @@ impl RedisKeys {
     }
 }
 
+/// `body` after the shared Lua helpers, with `MAX_SEQ` spelled out (16 digits, so the
+/// string comparison in `valid` is numeric).
+fn script(body: &str) -> String {
+    const _: () = assert!(crate::MAX_SEQ >= 1_000_000_000_000_000 && crate::MAX_SEQ < 10_000_000_000_000_000);
+    format!("{}{body}", HELPERS.replace("MAX_SEQ", &crate::MAX_SEQ.to_string()))
+}
+
 const HELPERS: &str = r"
 local function valid(v)
   if not v or string.len(v) == 0 or string.len(v) > 16 then return false end
   if not string.match(v, '^[0-9]+$') then return false end
   if v ~= '0' and string.sub(v, 1, 1) == '0' then return false end
   if string.len(v) < 16 then return true end
-  return v <= '9007199254740991'
+  return v <= 'MAX_SEQ'
 end
 local function gt(a, b)
   if string.len(a) ~= string.len(b) then return string.len(a) > string.len(b) end
@@ -121,8 +128,8 @@ impl RedisStore {
             conn: Conn::open(url, op_timeout).map_err(err)?,
             url: url.to_owned(),
             keys,
-            commit: Script::new(&format!("{HELPERS}{COMMIT}")),
-            migrate: Script::new(&format!("{HELPERS}{MIGRATE}")),
+            commit: Script::new(&script(COMMIT)),
+            migrate: Script::new(&script(MIGRATE)),
             delete_if: Script::new(DELETE_IF),
         })
     }

@@ -102,6 +102,11 @@ async fn corrupt_and_oversized_values_read_as_corrupt_and_are_overwritten_by_a_c
     set(&redis, "{c}:lease", b"x:3");
     assert_eq!(s.commit(FP, 7, "x:3").await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(7)));
+    // The script's bound is MAX_SEQ too: one above it is corrupt there as well, so a
+    // commit replaces it instead of being refused as not newer.
+    set(&redis, &key, (checkpoint::MAX_SEQ + 1).to_string().as_bytes());
+    assert_eq!(s.commit(FP, 8, "x:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(8)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
