@@ -121,6 +121,48 @@ pub fn with_seq(frame: &[u8], seq: u64) -> Option<Bytes> {
     Some(Bytes::from(w.buf))
 }
 
+/// The repo (DID) an event is about, if it decodes.
+fn frame_did(bytes: &[u8]) -> Option<String> {
+    match relay_client::frame::decode(bytes).ok()? {
+        relay_client::Frame::Message(m) => m.did().map(str::to_owned),
+        relay_client::Frame::Error(_) => None,
+    }
+}
+
+/// The same events as another relay would serve them: a second seq space. Seqs start
+/// after `offset` and stay increasing; within blocks of `block` events the order across
+/// repos is shuffled (by `seed`) while each repo's events keep their order, so event
+/// times stay roughly increasing, as on a real relay. Frames without a seq are dropped.
+#[must_use]
+pub fn reseq(frames: &[Bytes], offset: u64, block: usize, seed: u64) -> Vec<Bytes> {
+    let rank = |did: &Option<String>| {
+        let h = did.as_deref().unwrap_or("").bytes().fold(0xcbf2_9ce4_8422_2325_u64 ^ seed, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        h.rotate_left(17) ^ seed
+    };
+    let mut events: Vec<(Option<String>, &Bytes)> =
+        frames.iter().filter(|f| frame_seq(f).is_some()).map(|f| (frame_did(f), f)).collect();
+    for chunk in events.chunks_mut(block.max(1)) {
+        // Stable: events of one repo share a rank and keep their relative order.
+        chunk.sort_by_key(|(did, _)| rank(did));
+    }
+    events.iter().zip(offset + 1..).filter_map(|((_, f), seq)| with_seq(f, seq)).collect()
+}
+
+/// `frames` without the events `drop` picks (to make a relay that lost a repo's commit).
+#[must_use]
+pub fn without(frames: &[Bytes], drop: impl Fn(&relay_client::Message<'_>) -> bool) -> Vec<Bytes> {
+    frames
+        .iter()
+        .filter(|f| match relay_client::frame::decode(f) {
+            Ok(relay_client::Frame::Message(m)) => !drop(&m),
+            _ => true,
+        })
+        .cloned()
+        .collect()
+}
+
 /// An error frame `{op:-1}{error, message}`.
 #[must_use]
 pub fn error_frame(error: &str, message: &str) -> Bytes {
