@@ -68,19 +68,50 @@ impl FileStore {
     }
 
     fn replace(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
-        let p = self.path(fingerprint);
-        let tmp = self.dir.join(format!(".cursor-{fingerprint}.tmp"));
+        self.write_file(&format!("cursor-{fingerprint}"), &cursor.to_string())
+    }
+
+    /// Replaces `dir/name` atomically and durably.
+    fn write_file(&self, name: &str, contents: &str) -> Result<(), StoreError> {
+        let p = self.dir.join(name);
+        let tmp = self.dir.join(format!(".{name}.tmp"));
         let mut f = File::create(&tmp).map_err(|e| io("creating", &tmp, &e))?;
-        f.write_all(cursor.to_string().as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing", &tmp, &e))?;
+        f.write_all(contents.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing", &tmp, &e))?;
         std::fs::rename(&tmp, &p).map_err(|e| io("renaming", &p, &e))?;
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing", &self.dir, &e))
     }
 
-    /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
-    /// of the lease file).
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        cursor::check(cursor)?;
+    fn read_file(&self, name: &str) -> Result<Option<String>, StoreError> {
+        let p = self.dir.join(name);
+        match std::fs::read_to_string(&p) {
+            Ok(s) => Ok(Some(s.trim().to_owned())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io("reading", &p, &e)),
+        }
+    }
+
+    /// Commits `cursor` with the relay time at it, and records the active relay.
+    pub async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        holder: &str,
+    ) -> Result<CommitOutcome, StoreError> {
         let _g = self.lock.lock().await;
+        let out = self.commit_locked(fingerprint, cursor, holder)?;
+        if out == CommitOutcome::Saved {
+            match time_ms {
+                Some(t) => self.write_file(&format!("time-{fingerprint}"), &t.to_string())?,
+                None => self.forget_time(fingerprint)?,
+            }
+            self.write_file("active-relay", fingerprint)?;
+        }
+        Ok(out)
+    }
+
+    fn commit_locked(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
         if let Some(out) = self.fenced(holder)? {
             return Ok(out);
         }
@@ -93,6 +124,13 @@ impl FileStore {
         Ok(CommitOutcome::Saved)
     }
 
+    /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
+    /// of the lease file).
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        let _g = self.lock.lock().await;
+        self.commit_locked(fingerprint, cursor, holder)
+    }
+
     /// A fenced rewind: sets the cursor even if lower, as lease holder `holder`.
     pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
@@ -101,14 +139,26 @@ impl FileStore {
             return Ok(out);
         }
         self.replace(fingerprint, cursor)?;
+        self.forget_time(fingerprint)?;
         Ok(CommitOutcome::Saved)
+    }
+
+    /// A cursor written without its time must not keep an older cursor's time.
+    fn forget_time(&self, fingerprint: &str) -> Result<(), StoreError> {
+        let p = self.dir.join(format!("time-{fingerprint}"));
+        match std::fs::remove_file(&p) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("removing", &p, &e)),
+        }
     }
 
     /// Operator override (`firekeeper cursor set`).
     pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;
         let _g = self.lock.lock().await;
-        self.replace(fingerprint, cursor)
+        self.replace(fingerprint, cursor)?;
+        self.forget_time(fingerprint)
     }
 }
 
@@ -138,6 +188,24 @@ impl crate::CursorStore for FileStore {
         fence: crate::Fence<'_>,
     ) -> Result<CommitOutcome, StoreError> {
         Self::reset(self, fingerprint, cursor, fence.holder).await
+    }
+
+    async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::commit_at(self, fingerprint, cursor, time_ms, fence.holder).await
+    }
+
+    async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
+        Ok(self.read_file(&format!("time-{fingerprint}"))?.and_then(|t| t.parse().ok()))
+    }
+
+    async fn active_relay(&self) -> Result<Option<String>, StoreError> {
+        self.read_file("active-relay")
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {

@@ -26,6 +26,10 @@ pub struct RedisKeys {
     /// standbys shadow the committed cursor and a store that loses its data (restart
     /// without persistence, FLUSHALL) costs no events.
     pub commits_channel: String,
+    /// Relay time (Unix ms) of the event at each cursor: `<time_prefix><fingerprint>`.
+    pub time_prefix: String,
+    /// The fingerprint of the relay the last committing leader was on.
+    pub active: String,
 }
 
 impl RedisKeys {
@@ -38,6 +42,8 @@ impl RedisKeys {
             cursor_prefix: format!("{{{prefix}}}:cursor:"),
             legacy_prefix: legacy_prefix.map(str::to_owned),
             commits_channel: format!("{{{prefix}}}:commits"),
+            time_prefix: format!("{{{prefix}}}:cursor-time:"),
+            active: format!("{{{prefix}}}:active-relay"),
         }
     }
 
@@ -69,8 +75,9 @@ local function gt(a, b)
 end
 ";
 
-// KEYS: lease, cursor, fence-seen. ARGV: token, cursor, commits channel, fingerprint,
-// holder (the whole lease value), reset ('1': a fenced rewind, allowed to go lower).
+// KEYS: lease, cursor, fence-seen, cursor time, active relay. ARGV: token, cursor,
+// commits channel, fingerprint, holder (the whole lease value), reset ('1': a fenced
+// rewind, allowed to go lower), the relay time at the cursor ('' = unknown).
 // The whole holder value must match, not only its token: a token number re-issued after
 // total data loss must not let a stale holder commit.
 const COMMIT: &str = r"
@@ -80,6 +87,8 @@ if h ~= ARGV[5] then return {3, t or ''} end
 local cur = redis.call('GET', KEYS[2])
 if ARGV[6] ~= '1' and valid(cur) and not gt(ARGV[2], cur) then return {2, cur} end
 redis.call('SET', KEYS[2], ARGV[2])
+if ARGV[7] ~= '' then redis.call('SET', KEYS[4], ARGV[7]) else redis.call('DEL', KEYS[4]) end
+redis.call('SET', KEYS[5], ARGV[4])
 local seen = redis.call('GET', KEYS[3])
 if not valid(seen) or gt(ARGV[1], seen) then redis.call('SET', KEYS[3], ARGV[1]) end
 local msg = ARGV[4] .. ' ' .. ARGV[2] .. ' ' .. ARGV[1]
@@ -158,20 +167,55 @@ impl RedisStore {
     /// Commits `cursor` for a relay as lease holder `holder` (`<instance>:<token>`, the
     /// whole lease value). Never moves the cursor backwards.
     pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        self.commit_inner(fingerprint, cursor, holder, false).await
+        self.commit_inner(fingerprint, cursor, None, holder, false).await
+    }
+
+    /// [`RedisStore::commit`] keeping the relay time at the cursor and the active relay.
+    pub async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        holder: &str,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.commit_inner(fingerprint, cursor, time_ms, holder, false).await
+    }
+
+    /// The relay time kept with a cursor.
+    pub async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
+        self.get_int(format!("{}{fingerprint}", self.keys.time_prefix)).await
+    }
+
+    /// The relay the last committing leader was on.
+    pub async fn active_relay(&self) -> Result<Option<String>, StoreError> {
+        let key = self.keys.active.clone();
+        self.conn
+            .run(|mut c| async move { redis::cmd("GET").arg(&key).query_async(&mut c).await })
+            .await
+            .map_err(err)
+    }
+
+    async fn get_int(&self, key: String) -> Result<Option<i64>, StoreError> {
+        let raw: Option<String> = self
+            .conn
+            .run(|mut c| async move { redis::cmd("GET").arg(&key).query_async(&mut c).await })
+            .await
+            .map_err(err)?;
+        Ok(raw.and_then(|r| r.parse().ok()))
     }
 
     /// A fenced rewind: sets the cursor to `cursor` even if it is lower, as lease holder
     /// `holder`. For a relay whose sequence restarted (an accepted `FutureCursor` gap):
     /// the monotonic commit would otherwise keep the rejected cursor forever.
     pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        self.commit_inner(fingerprint, cursor, holder, true).await
+        self.commit_inner(fingerprint, cursor, None, holder, true).await
     }
 
     async fn commit_inner(
         &self,
         fingerprint: &str,
         cursor: u64,
+        time_ms: Option<i64>,
         holder: &str,
         reset: bool,
     ) -> Result<CommitOutcome, StoreError> {
@@ -179,6 +223,8 @@ impl RedisStore {
         let token = cursor::holder_token(holder)?;
         let k = &self.keys;
         let key = k.cursor(fingerprint);
+        let time_key = format!("{}{fingerprint}", k.time_prefix);
+        let time = time_ms.map(|t| t.to_string()).unwrap_or_default();
         let v: Value = self
             .conn
             .run(|mut c| async move {
@@ -186,12 +232,15 @@ impl RedisStore {
                     .key(&k.lease)
                     .key(&key)
                     .key(&k.fence_seen)
+                    .key(&time_key)
+                    .key(&k.active)
                     .arg(token)
                     .arg(cursor)
                     .arg(&k.commits_channel)
                     .arg(fingerprint)
                     .arg(holder)
                     .arg(if reset { "1" } else { "0" })
+                    .arg(&time)
                     .invoke_async(&mut c)
                     .await
             })
@@ -212,8 +261,12 @@ impl RedisStore {
     pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;
         let key = self.keys.cursor(fingerprint);
+        let time_key = format!("{}{fingerprint}", self.keys.time_prefix);
         self.conn
-            .run(|mut c| async move { redis::cmd("SET").arg(&key).arg(cursor).query_async::<()>(&mut c).await })
+            .run(|mut c| async move {
+                // The operator's cursor has no known time: drop the older cursor's.
+                redis::pipe().atomic().set(&key, cursor).del(&time_key).query_async::<()>(&mut c).await
+            })
             .await
             .map_err(err)
     }
@@ -334,6 +387,24 @@ impl crate::CursorStore for RedisStore {
         fence: crate::Fence<'_>,
     ) -> Result<CommitOutcome, StoreError> {
         Self::reset(self, fingerprint, cursor, fence.holder).await
+    }
+
+    async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::commit_at(self, fingerprint, cursor, time_ms, fence.holder).await
+    }
+
+    async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
+        Self::read_time(self, fingerprint).await
+    }
+
+    async fn active_relay(&self) -> Result<Option<String>, StoreError> {
+        Self::active_relay(self).await
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {

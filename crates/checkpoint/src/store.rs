@@ -47,6 +47,32 @@ pub trait CursorStore: Send + Sync + 'static {
     /// deployment started).
     async fn reset(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError>;
 
+    /// [`CursorStore::commit`], also keeping the relay time (Unix ms) of the event at
+    /// `cursor` and recording `fingerprint` as the relay the leader is on, in the same
+    /// fenced write. A commit without a time forgets any older one. Stores that keep
+    /// neither fall back to `commit`.
+    async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        fence: Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        let _ = time_ms;
+        self.commit(fingerprint, cursor, fence).await
+    }
+
+    /// The relay time (Unix ms) kept with a relay's cursor by [`CursorStore::commit_at`];
+    /// `None` for a cursor stored without one (older versions, `cursor set`).
+    async fn read_time(&self, _fingerprint: &str) -> Result<Option<i64>, StoreError> {
+        Ok(None)
+    }
+
+    /// The fingerprint of the relay the last committing leader was on.
+    async fn active_relay(&self) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
+
     /// Operator override, unfenced (`firekeeper cursor set`).
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError>;
 

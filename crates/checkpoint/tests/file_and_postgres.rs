@@ -115,3 +115,20 @@ async fn futures(n: usize, url: &str) -> Vec<Arc<PostgresStore>> {
     }
     v
 }
+
+/// As for Redis: time and active relay move only with a saved, fenced commit.
+#[tokio::test]
+async fn file_commit_at_keeps_time_and_active_relay_fenced() {
+    let dir = tmpdir("time");
+    let lease = dir.join("lease");
+    std::fs::write(&lease, "x:3").expect("lease");
+    let s = FileStore::new(&dir.join("c"), &lease).expect("store");
+    assert_eq!(s.read_time(FP).await, Ok(None));
+    assert_eq!(s.commit_at(FP, 10, Some(77), "x:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(Some(77)));
+    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
+    assert!(matches!(s.commit_at("other", 11, Some(5), "x:2").await, Ok(CommitOutcome::Fenced { .. })));
+    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
+    assert_eq!(s.reset(FP, 4, "x:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(None));
+}

@@ -276,3 +276,27 @@ async fn a_commit_fences_on_the_whole_holder_value_not_only_the_token_number() {
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)));
     assert!(matches!(s.commit(FP, 4, "no-token").await, Err(StoreError::Protocol(_))));
 }
+
+/// The checkpoint carries the relay time at the cursor and the relay the leader is on,
+/// in the same fenced write; a stale holder moves neither, and a cursor written without a
+/// time (a rewind, `cursor set`) forgets the older cursor's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_at_keeps_time_and_active_relay_fenced() {
+    use checkpoint::CursorStore as _;
+    let redis = RedisServer::start();
+    let s = store(&redis.url(), "t");
+    set(&redis, "{t}:lease", b"x:3");
+    assert_eq!(s.read_time(FP).await, Ok(None), "old-format cursors have no time");
+    assert_eq!(s.commit_at(FP, 10, Some(1_700_000_000_123), "x:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(Some(1_700_000_000_123)));
+    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
+    assert!(matches!(s.commit_at("other", 11, Some(5), "x:2").await, Ok(CommitOutcome::Fenced { .. })));
+    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())), "a fenced commit moves nothing");
+    assert_eq!(s.read_time("other").await, Ok(None));
+    assert_eq!(s.reset(FP, 4, "x:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(None), "a rewind has no time of its own");
+    assert_eq!(s.commit_at(FP, 12, Some(9), "x:3").await, Ok(CommitOutcome::Saved));
+    s.force(FP, 3).await.expect("force");
+    assert_eq!(s.read_time(FP).await, Ok(None), "cursor set has no time of its own");
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)));
+}
