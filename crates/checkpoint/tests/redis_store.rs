@@ -282,7 +282,6 @@ async fn a_commit_fences_on_the_whole_holder_value_not_only_the_token_number() {
 /// time (a rewind, `cursor set`) forgets the older cursor's time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commit_at_keeps_time_and_active_relay_fenced() {
-    use checkpoint::CursorStore as _;
     let redis = RedisServer::start();
     let s = store(&redis.url(), "t");
     set(&redis, "{t}:lease", b"x:3");
