@@ -828,7 +828,7 @@ fn peek_seq(bytes: &[u8]) -> Option<u64> {
 }
 
 /// Describes a WebSocket error without echoing URLs (which may carry credentials).
-fn describe(e: &tungstenite::Error) -> String {
+pub(crate) fn describe(e: &tungstenite::Error) -> String {
     match e {
         tungstenite::Error::Http(resp) => format!("HTTP {}", resp.status()),
         tungstenite::Error::Url(_) => "invalid URL".to_owned(),

@@ -23,6 +23,7 @@ pub mod client;
 pub mod error;
 pub mod frame;
 pub mod json;
+pub mod probe;
 pub mod relay_url;
 
 pub use client::{ClientConfig, Item, Notice, OwnedFrame, RelayRole, Subscription};
