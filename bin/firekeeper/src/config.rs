@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use consumer::{CollectionFilter, Options};
+use consumer::{CollectionFilter, GapPolicy, Options};
 use lease::LeaseConfig;
 use relay_client::client::{BadFramePolicy, FutureCursorPolicy};
 use relay_client::{ClientConfig, RelayUrl};
@@ -323,6 +323,12 @@ impl Vars {
             drain_budget: self.ms("FIREKEEPER_DRAIN_BUDGET_MS"),
             collections,
             verify_blocks: matches!(self.choice("FIREKEEPER_VERIFY_BLOCKS"), "true" | "1" | "yes"),
+            switch_overlap: self.ms("FIREKEEPER_SWITCH_OVERLAP_MS"),
+            switch_max_probes: u32::try_from(self.count("FIREKEEPER_SWITCH_MAX_PROBES")).unwrap_or(40),
+            gap: match self.choice("FIREKEEPER_GAP") {
+                "live" => GapPolicy::Live,
+                _ => GapPolicy::Fail,
+            },
         };
         if options.drain_budget >= ttl * 10 {
             self.errors.push(

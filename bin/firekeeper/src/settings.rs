@@ -294,6 +294,27 @@ pub const SETTINGS: &[Setting] = &[
         help: "on `FutureCursor`: `fail` (stop, an operator looks) or `live` (accept the gap: the stored cursor is rewound, fenced, to just before the first live seq; logged with the range and counted in `firekeeper_gaps_total`)",
     },
     Setting {
+        name: "FIREKEEPER_SWITCH_OVERLAP_MS",
+        default: "30000",
+        shown: None,
+        kind: Kind::Millis,
+        help: "on a relay switch, resume this far (relay time) before the committed position and drop what was already handed over: `#commit`/`#sync` whose rev is not newer than the repo's last delivered, `#identity`/`#account` with the same (did, time); counted in `firekeeper_switch_duplicates_dropped_total`",
+    },
+    Setting {
+        name: "FIREKEEPER_SWITCH_MAX_PROBES",
+        default: "40",
+        shown: None,
+        kind: Kind::Count(1000),
+        help: "at most this many `cursor=` probes (each bounded by the connect timeout) to find the start on the relay switched to; counted in `firekeeper_switch_probes_total`",
+    },
+    Setting {
+        name: "FIREKEEPER_GAP",
+        default: "fail",
+        shown: None,
+        kind: Kind::Choice(&["fail", "live"]),
+        help: "when the relay switched to does not serve events back to where the other stopped: `fail` (stop leading with an error naming the relay and the missing time range) or `live` (start at its oldest event; logged, counted in `firekeeper_gaps_total{reason=\"switch\"}`, shown as `last_gap` in `/status`)",
+    },
+    Setting {
         name: "FIREKEEPER_BAD_FRAME",
         default: "fail",
         shown: None,

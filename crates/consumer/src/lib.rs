@@ -50,6 +50,7 @@
 //! # }
 //! ```
 
+mod continuity;
 pub mod error;
 pub mod handler;
 pub mod metrics;
@@ -69,6 +70,7 @@ use relay_client::{ClientConfig, RelayUrl};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
+pub use crate::continuity::GapPolicy;
 pub use crate::error::{Error, Fatal};
 use crate::handler::Render;
 pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerError};
@@ -92,6 +94,13 @@ pub struct Options {
     pub collections: Option<CollectionFilter>,
     /// Check every CAR block's hash against its CID while rendering JSON.
     pub verify_blocks: bool,
+    /// On a relay switch, resume this far (relay time) before the committed position
+    /// and drop what was already handed over.
+    pub switch_overlap: Duration,
+    /// At most this many probes to find the start on the target relay.
+    pub switch_max_probes: u32,
+    /// What to do when the target relay's window does not reach back far enough.
+    pub gap: GapPolicy,
 }
 
 impl Default for Options {
@@ -103,6 +112,9 @@ impl Default for Options {
             drain_budget: Duration::from_secs(10),
             collections: None,
             verify_blocks: false,
+            switch_overlap: Duration::from_secs(30),
+            switch_max_probes: 40,
+            gap: GapPolicy::Fail,
         }
     }
 }

@@ -34,6 +34,10 @@ pub const LAG_SEQ: &str = "firekeeper_lag_seq";
 pub const QUEUE_DEPTH: &str = "firekeeper_queue_depth";
 /// 1 while the leader consumes from the secondary relay.
 pub const ON_SECONDARY: &str = "firekeeper_relay_on_secondary";
+/// Events dropped after a relay switch because they were already handed over.
+pub const SWITCH_DUPLICATES: &str = "firekeeper_switch_duplicates_dropped_total";
+/// Probes made to find the start on a relay switched to.
+pub const SWITCH_PROBES: &str = "firekeeper_switch_probes_total";
 
 const fn counter(name: &'static str, help: &'static str, labels: &'static [(&'static str, &'static str)]) -> Metric {
     Metric { name, kind: MetricKind::Counter, help, labels }
@@ -56,6 +60,8 @@ pub const ALL: &[Metric] = &[
     counter(OUTDATED_CURSOR, "OutdatedCursor notices (events were missed)", &[]),
     counter(RECORD_ERRORS, "records that could not be decoded (written as null)", &[]),
     counter(SINK_ERRORS, "failed sink writes (retried)", &[]),
+    counter(SWITCH_DUPLICATES, "events dropped after a relay switch as already handed over", &[]),
+    counter(SWITCH_PROBES, "probes made to find where to resume on a relay switched to", &[]),
     gauge(LEADER, "1 while this replica leads"),
     gauge(LAG_SECONDS, "age of the newest delivered event (relay time to now)"),
     gauge(LAG_SEQ, "delivered minus committed seq"),

@@ -10,6 +10,7 @@ use checkpoint::watermark::WatermarkError;
 use relay_client::backoff::{Backoff, BackoffConfig};
 use tokio::sync::mpsc;
 
+use crate::continuity::Times;
 use crate::handler::{BatchCtx, Event, Handler, HandlerError, Render, render};
 use crate::metrics as m;
 
@@ -26,6 +27,8 @@ pub(crate) struct Pipeline {
     pub(crate) watermark: Watermark,
     pub(crate) ctx: BatchCtx,
     pub(crate) committed: Option<u64>,
+    /// Relay times of delivered events, for the time at each committed cursor.
+    pub(crate) times: Times,
 }
 
 /// A pipeline's sizes and rendering.
@@ -52,7 +55,7 @@ impl Pipeline {
         // writing; the window also keeps finished events behind an unfinished one.
         // Intake waits while the window is full, whatever fills it.
         let capacity = lanes_n * (shape.queue_depth + batch_max);
-        Self { lanes, tasks, done, watermark: Watermark::new(start, capacity), ctx, committed: start }
+        Self { lanes, tasks, done, watermark: Watermark::new(start, capacity), ctx, committed: start, times: Times::default() }
     }
 
     /// The lane of a repo (FNV-1a of the DID).

@@ -75,6 +75,8 @@ pub struct Status {
     pub lag_seconds: Option<f64>,
     /// Events delivered but not yet done.
     pub in_flight: usize,
+    /// The last accepted gap (`FIREKEEPER_GAP=live`): relay and missing time range.
+    pub last_gap: Option<String>,
 }
 
 /// The shared status of one consumer: cheap to clone, read from any task.

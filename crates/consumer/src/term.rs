@@ -9,12 +9,14 @@ use checkpoint::{CommitOutcome, CursorStore, Fence, ReadOutcome, RelayKey, Store
 use lease::{LeaseHandle, StepDownError, Term};
 use relay_client::backoff::{Backoff, BackoffConfig};
 use relay_client::client::SwitchReason;
+use relay_client::probe::{ProbeError, find_start, time_ms};
 use relay_client::{Item, Notice, OwnedFrame, RelayRole, RelayUrl, SubscribeError, Subscription};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::Settings;
+use crate::continuity::{GapPolicy, Recent};
 use crate::error::Fatal;
 use crate::handler::{BatchCtx, Event, Handler};
 use crate::metrics as m;
@@ -208,7 +210,8 @@ async fn commit(cx: &Ctx<'_>, term: &Term, p: &mut Pipeline, final_: bool) -> Re
     let span = tracing::info_span!("commit", cursor = c, token = p.ctx.token, relay, final_);
     let holder = term.holder();
     let fence = Fence { holder: &holder, token: term.token() };
-    let out = cx.store.commit(&p.ctx.fingerprint, c, fence).instrument(span).await;
+    let time = p.times.take_until(c);
+    let out = cx.store.commit_at(&p.ctx.fingerprint, c, time, fence).instrument(span).await;
     let label = match &out {
         Ok(CommitOutcome::Saved) => "saved",
         Ok(CommitOutcome::NotNewer { .. }) => "not_newer",
@@ -268,6 +271,19 @@ fn on_notice(cx: &Ctx<'_>, n: &Notice) {
     }
 }
 
+/// The switch overlap in ms.
+fn overlap_ms(s: &Settings) -> i64 {
+    i64::try_from(s.options.switch_overlap.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+/// Unix ms as RFC 3339 (for messages).
+fn rfc3339(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_else(|| format!("{ms} ms"))
+}
+
 /// Seconds from an RFC 3339 timestamp to now.
 fn age_seconds(t: &str) -> Option<f64> {
     let t = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()?;
@@ -296,6 +312,10 @@ struct Leader<'a, 'c> {
     rewind: Option<Rewind>,
     /// The time of the newest delivered event (lag is computed from it at each tick).
     last_time: String,
+    /// What was handed over recently (kept only with a secondary relay configured).
+    recent: Option<Recent>,
+    /// After a switch, until this relay time: drop what `recent` already holds.
+    dedupe_until: Option<i64>,
 }
 
 impl Leader<'_, '_> {
@@ -315,6 +335,54 @@ impl Leader<'_, '_> {
             s.fingerprint = Some(fp);
             s.committed = cursor;
         });
+    }
+
+    /// Where to resume on `to` after committing the current relay at relay time `at`: its
+    /// stored cursor when that is inside the overlap, else found by time on the relay.
+    async fn switch_start(&mut self, to: RelayRole, at: Option<i64>) -> Result<Option<u64>, Step> {
+        let (cx, opts) = (self.cx, &self.cx.settings.options);
+        let stored = resume_point(cx, &self.term, to, false).await?;
+        let Some(at) = at else {
+            // Nothing delivered carried a time yet: there is no position to carry over.
+            return Ok(stored);
+        };
+        let fp = cx.url(to).fingerprint();
+        let overlap = overlap_ms(cx.settings);
+        let target = at - overlap;
+        let stored_time = match guarded(cx, &self.term, cx.store.read_time(fp)).await? {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the stored time of the relay switched to; probing instead");
+                None
+            }
+        };
+        if let (Some(c), Some(t)) = (stored, stored_time)
+            && (target..=at).contains(&t)
+        {
+            tracing::info!(relay = to.as_str(), cursor = c, "switch: the stored cursor is inside the overlap");
+            return Ok(Some(c));
+        }
+        let wait = cx.settings.client.connect_timeout;
+        let found = guarded(cx, &self.term, find_start(cx.url(to), target, opts.switch_max_probes, wait)).await?;
+        match found {
+            Ok(f) => {
+                metrics::counter!(m::SWITCH_PROBES).increment(u64::from(f.probes));
+                tracing::info!(relay = to.as_str(), cursor = f.cursor, probes = f.probes, probe_ms = f.elapsed.as_millis() as u64, overlap_ms = overlap, "switch: found where to resume by time");
+                Ok(Some(f.cursor))
+            }
+            Err(ProbeError::Gap { oldest_ms, oldest_seq }) => {
+                let (needed, oldest) = (rfc3339(target), rfc3339(oldest_ms));
+                if opts.gap == GapPolicy::Fail {
+                    return Err(Fatal::Gap { role: to, fingerprint: fp.to_owned(), needed, oldest, oldest_seq }.into());
+                }
+                metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
+                let gap = format!("{} relay: events from {needed} to {oldest} are missing", to.as_str());
+                tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (FIREKEEPER_GAP=live) on a relay switch");
+                cx.status.update(|s| s.last_gap = Some(gap));
+                Ok(Some(oldest_seq - 1))
+            }
+            Err(source) => Err(Fatal::Probe { role: to, source }.into()),
+        }
     }
 
     /// Drains what was delivered and commits it (final). `Err` when the term ended or
@@ -385,6 +453,22 @@ impl Leader<'_, '_> {
             return s;
         }
         let m = f.message();
+        let time = if self.recent.is_some() || seq % 64 == 0 { m.time().and_then(time_ms) } else { None };
+        if let Some(t) = time {
+            self.p.times.push(seq, t);
+        }
+        if let Some(recent) = &mut self.recent {
+            if let Some(until) = self.dedupe_until {
+                if time.is_some_and(|t| t > until) {
+                    tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");
+                    self.dedupe_until = None;
+                } else if recent.seen(m) {
+                    metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
+                    return self.pass(seq);
+                }
+            }
+            recent.record(m);
+        }
         if self.cx.settings.options.collections.as_ref().is_some_and(|c| c.drops(m)) {
             return self.pass(seq);
         }
@@ -467,10 +551,12 @@ impl Leader<'_, '_> {
                     return s;
                 }
                 tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?self.p.committed, "relay switch: committed the current relay first");
-                match resume_point(self.cx, &self.term, to, false).await {
+                let at = self.p.times.at_cursor();
+                match self.switch_start(to, at).await {
                     Ok(cursor) => {
                         self.p = self.pipeline(to, cursor);
                         self.begin(to, cursor);
+                        self.dedupe_until = at.map(|w| w + overlap_ms(self.cx.settings));
                         Step::Next
                     }
                     Err(s) => s,
@@ -567,7 +653,22 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
         Ok(Err(e)) => return TermEnd::Fatal(Fatal::Elected(e)),
         Ok(Ok(())) => {}
     }
-    let role = RelayRole::Primary;
+    // Resume on the relay the last committing leader was on: its cursor is where the
+    // stream stands (the other relay's is older, and numbered differently).
+    let active = match guarded(cx, &term, cx.store.active_relay()).await {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "reading the active relay failed; starting on the primary");
+            None
+        }
+        Err(Interrupted::TermEnded) => return TermEnd::Lost,
+        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+    };
+    let on_secondary = cx.settings.secondary.as_ref().is_some_and(|s| active.as_deref() == Some(s.fingerprint()));
+    let role = if on_secondary { RelayRole::Secondary } else { RelayRole::Primary };
+    if on_secondary {
+        tracing::info!("the last leader was on the secondary relay: resuming there");
+    }
     let cursor = match resume_point(cx, &term, role, true).await {
         Ok(c) => c,
         Err(Step::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
@@ -577,7 +678,10 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     let s = cx.settings;
     let sub = Subscription::new(s.client.clone(), s.primary.clone(), s.secondary.clone());
     let p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor);
-    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new() };
+    // Twice the overlap: a relay's order is only roughly by time, so events a little older
+    // than the overlap's start can still come after it.
+    let recent = s.secondary.as_ref().map(|_| Recent::new(2 * overlap_ms(s)));
+    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new(), recent, dedupe_until: None };
     l.begin(role, cursor);
     match l.run().await {
         Some(end) => end,

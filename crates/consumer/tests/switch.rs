@@ -1,0 +1,262 @@
+//! Relay continuity with two relays of different seq spaces (the secondary serves the
+//! same events renumbered and reinterleaved): failover, failback and failover again, a
+//! standby taking over while the leader was on the secondary, and a secondary whose
+//! window does not reach back. The oracle keys events by (repo, rev) — (type, did,
+//! time) for identity and account — and finds none lost and none delivered twice.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use checkpoint::CursorStore as _;
+use consumer::{BatchCtx, Builder, Consumer, Event, GapPolicy, Handler, HandlerError, Options, async_trait};
+use relay_client::{ClientConfig, Frame, Message, RelayRole, RelayUrl};
+use relay_sim::{RelaySim, SimConfig};
+use testkit::{WAIT, eventually};
+
+type Key = (String, String, String);
+
+fn key(m: &Message<'_>) -> Option<Key> {
+    Some(match m {
+        Message::Commit(c) => ("commit".into(), c.repo.into(), c.rev.into()),
+        Message::Sync(s) => ("sync".into(), s.did.into(), s.rev.into()),
+        Message::Identity(i) => ("identity".into(), i.did.into(), i.time.into()),
+        Message::Account(a) => ("account".into(), a.did.into(), a.time.into()),
+        _ => return None,
+    })
+}
+
+fn keys(frames: &[bytes::Bytes]) -> Vec<Key> {
+    frames
+        .iter()
+        .filter_map(|f| match relay_client::decode(f).ok()? {
+            Frame::Message(m) => key(&m),
+            Frame::Error(_) => None,
+        })
+        .collect()
+}
+
+/// Records every event's key, shared by all replicas of a test.
+#[derive(Default)]
+struct Oracle {
+    got: Mutex<Vec<(Key, RelayRole)>>,
+}
+
+#[async_trait]
+impl Handler for Oracle {
+    async fn handle(&self, batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let mut got = self.got.lock().expect("got");
+        for e in batch {
+            if let Some(k) = key(e.message()) {
+                got.push((k, e.relay()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Oracle {
+    fn counts(&self) -> BTreeMap<Key, usize> {
+        let mut m = BTreeMap::new();
+        for (k, _) in self.got.lock().expect("got").iter() {
+            *m.entry(k.clone()).or_insert(0) += 1;
+        }
+        m
+    }
+
+    fn from_secondary(&self) -> usize {
+        self.got.lock().expect("got").iter().filter(|(_, r)| *r == RelayRole::Secondary).count()
+    }
+
+    /// Every expected key exactly once.
+    fn assert_exactly_once(&self, want: &[Key]) {
+        let counts = self.counts();
+        let lost: Vec<_> = want.iter().filter(|k| !counts.contains_key(*k)).take(5).collect();
+        let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).take(5).collect();
+        assert!(lost.is_empty() && twice.is_empty(), "lost {lost:?}; delivered twice {twice:?}");
+        assert_eq!(counts.len(), want.len(), "nothing unexpected");
+    }
+}
+
+/// Two paced relays serving the fixture: the primary as captured, the secondary in its
+/// own seq space (from 1,000,001, reinterleaved in blocks of 16).
+async fn relays(rate: u32, secondary_window: Option<u64>) -> (RelaySim, RelaySim) {
+    let frames = testkit::fixture_frames();
+    let paced = SimConfig { initial_head: Some(0), rate: Some(rate), ..SimConfig::default() };
+    let addr = "127.0.0.1:0".parse().expect("addr");
+    let primary = RelaySim::start_with(frames.clone(), paced.clone(), addr).await.expect("primary");
+    let other = relay_sim::reseq(&frames, 1_000_000, 16, 7);
+    let cfg = SimConfig { window_start: secondary_window, ..paced };
+    let secondary = RelaySim::start_with(other, cfg, addr).await.expect("secondary");
+    (primary, secondary)
+}
+
+fn client() -> ClientConfig {
+    ClientConfig {
+        connect_timeout: Duration::from_secs(1),
+        backoff: relay_client::backoff::BackoffConfig {
+            initial: Duration::from_millis(20),
+            max: Duration::from_millis(100),
+        },
+        healthy_after: Duration::from_millis(100),
+        failover_after: 1,
+        probe_interval: Duration::from_millis(150),
+        probe_successes: 2,
+        probe_hold: Duration::from_millis(100),
+        ..ClientConfig::default()
+    }
+}
+
+/// One replica over the shared directory (lock-file lease, file cursors).
+async fn replica(
+    dir: &std::path::Path,
+    primary: &RelaySim,
+    secondary: &RelaySim,
+    oracle: &Arc<Oracle>,
+    gap: GapPolicy,
+    name: &str,
+) -> Consumer {
+    let lock = dir.join("lease.lock");
+    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
+    let p = RelayUrl::parse(&primary.url()).expect("url");
+    if matches!(store.read(p.fingerprint()).await, Ok(checkpoint::ReadOutcome::Missing)) {
+        store.force(p.fingerprint(), 0).await.expect("seed");
+    }
+    let options = Options {
+        commit_interval: Duration::from_millis(50),
+        switch_overlap: Duration::from_secs(5),
+        gap,
+        ..Options::default()
+    };
+    let lease = lease::LeaseConfig {
+        ttl: Duration::from_millis(1500),
+        renew_every: Duration::from_millis(300),
+        op_timeout: Duration::from_millis(200),
+        margin: Duration::from_millis(300),
+        poll: Duration::from_millis(100),
+        ..lease::LeaseConfig::default()
+    };
+    Builder::new(p)
+        .secondary(RelayUrl::parse(&secondary.url()).expect("url"))
+        .client(client())
+        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease)
+        .store(store)
+        .shared_handler(oracle.clone())
+        .options(options)
+        .instance_id(name)
+        .build()
+        .expect("build")
+}
+
+type Running = (consumer::StatusHandle, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), consumer::Error>>);
+
+fn spawn(c: Consumer) -> Running {
+    let status = c.status();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(c.run(async {
+        let _ = stopped.await;
+    }));
+    (status, stop, run)
+}
+
+async fn on(status: &consumer::StatusHandle, role: RelayRole, what: &str) {
+    eventually(what, WAIT, async || {
+        let s = status.snapshot();
+        s.relay == Some(role) && s.connected && s.role == consumer::Role::Leader
+    })
+    .await;
+}
+
+async fn delivered_at_least(oracle: &Oracle, n: usize) {
+    eventually(&format!("{n} events delivered"), WAIT, async || oracle.counts().len() >= n).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing() {
+    let want = keys(&testkit::fixture_frames());
+    let (primary, secondary) = relays(250, None).await;
+    let dir = testkit::tmpdir("switch-3");
+    let oracle = Arc::new(Oracle::default());
+    let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
+    on(&status, RelayRole::Primary, "leading on the primary").await;
+    delivered_at_least(&oracle, 300).await;
+    primary.handle().set_down(true);
+    on(&status, RelayRole::Secondary, "failover to the secondary").await;
+    delivered_at_least(&oracle, 650).await;
+    primary.handle().set_down(false);
+    on(&status, RelayRole::Primary, "failback to the primary").await;
+    delivered_at_least(&oracle, 950).await;
+    primary.handle().set_down(true);
+    on(&status, RelayRole::Secondary, "failover again").await;
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+    // Let anything duplicated after the last switch arrive before judging.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    assert!(oracle.from_secondary() > 0, "the secondary served part of the stream");
+    oracle.assert_exactly_once(&want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_taking_over_resumes_on_the_secondary_the_leader_was_on() {
+    let want = keys(&testkit::fixture_frames());
+    let (primary, secondary) = relays(250, None).await;
+    let dir = testkit::tmpdir("switch-takeover");
+    let oracle = Arc::new(Oracle::default());
+    let (a_status, a_stop, a_run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
+    on(&a_status, RelayRole::Primary, "a leads on the primary").await;
+    let (b_status, b_stop, b_run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "b").await);
+    delivered_at_least(&oracle, 300).await;
+    primary.handle().set_down(true);
+    on(&a_status, RelayRole::Secondary, "a fails over").await;
+    delivered_at_least(&oracle, 600).await;
+    // a stops (drains, commits on the secondary, releases); b takes over there, although
+    // the primary is back by then.
+    primary.handle().set_down(false);
+    let _ = a_stop.send(());
+    a_run.await.expect("join").expect("a stops cleanly");
+    eventually("b leads", WAIT, async || b_status.snapshot().role == consumer::Role::Leader).await;
+    assert_eq!(b_status.snapshot().relay, Some(RelayRole::Secondary), "b resumed on the secondary");
+    on(&b_status, RelayRole::Primary, "b fails back to the primary").await;
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = b_stop.send(());
+    b_run.await.expect("join").expect("b stops cleanly");
+    oracle.assert_exactly_once(&want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secondary_window_too_short_fails_naming_the_time_range_or_continues_under_live() {
+    let want = keys(&testkit::fixture_frames());
+    for gap in [GapPolicy::Fail, GapPolicy::Live] {
+        // The secondary keeps only its last ~300 events.
+        let (primary, secondary) = relays(250, Some(1_000_000 + 1_150)).await;
+        let dir = testkit::tmpdir("switch-gap");
+        let oracle = Arc::new(Oracle::default());
+        let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, gap, "a").await);
+        on(&status, RelayRole::Primary, "leading on the primary").await;
+        delivered_at_least(&oracle, 300).await;
+        primary.handle().set_down(true);
+        match gap {
+            GapPolicy::Fail => {
+                let out = tokio::time::timeout(WAIT, run).await.expect("stops").expect("join");
+                let msg = out.expect_err("a gap stops the leader").to_string();
+                assert!(msg.contains("without a gap") && msg.contains("FIREKEEPER_GAP=live"), "{msg}");
+                assert!(msg.contains("2026-12-02T"), "names the time range: {msg}");
+                assert_eq!(oracle.from_secondary(), 0, "nothing taken from the secondary");
+                drop(stop);
+            }
+            GapPolicy::Live => {
+                on(&status, RelayRole::Secondary, "on the secondary despite the gap").await;
+                eventually("the secondary's window delivered", WAIT, async || oracle.from_secondary() > 250).await;
+                let last_gap = status.snapshot().last_gap.expect("the gap is shown in the status");
+                assert!(last_gap.contains("secondary") && last_gap.contains("2026-12-02T"), "{last_gap}");
+                let _ = stop.send(());
+                run.await.expect("join").expect("clean stop");
+                let counts = oracle.counts();
+                assert!(counts.values().all(|n| *n == 1), "still nothing twice");
+                assert!(counts.len() < want.len(), "the gap is real: some events are missing");
+            }
+        }
+    }
+}
