@@ -100,7 +100,7 @@ async fn run(cfg: Config) -> Result<()> {
         tracing::info!(%addr, "http listening: /healthz /readyz /metrics /status");
         tokio::spawn(http::serve(listener, status, prom, stop_http.clone()));
     }
-    let r = consumer.run(shutdown::requested()).await;
+    let r = Box::pin(consumer.run(shutdown::requested())).await;
     stop_http.cancel();
     Ok(r?)
 }

@@ -189,10 +189,7 @@ impl RedisStore {
     /// The relay the last committing leader was on.
     pub async fn active_relay(&self) -> Result<Option<String>, StoreError> {
         let key = self.keys.active.clone();
-        self.conn
-            .run(|mut c| async move { redis::cmd("GET").arg(&key).query_async(&mut c).await })
-            .await
-            .map_err(err)
+        self.conn.run(|mut c| async move { redis::cmd("GET").arg(&key).query_async(&mut c).await }).await.map_err(err)
     }
 
     async fn get_int(&self, key: String) -> Result<Option<i64>, StoreError> {

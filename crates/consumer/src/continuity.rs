@@ -56,19 +56,20 @@ impl Times {
 
 /// The key an event is deduplicated by.
 enum Key<'a> {
-    /// `#commit` / `#sync`: newer revs only.
-    Rev { did: &'a str, rev: &'a str },
-    /// `#identity` / `#account`: the same `(did, time)` once.
-    Once { did: &'a str, time: i64 },
+    /// `#commit` (0) / `#sync` (1): newer revs only, each kind on its own (a `#sync`
+    /// carries the rev of the commit it follows, and is an event of its own).
+    Rev { kind: usize, did: &'a str, rev: &'a str },
+    /// `#identity` (2) / `#account` (3): the same `(did, time)` once per kind.
+    Once { kind: usize, did: &'a str, time: i64 },
 }
 
 fn key<'a>(m: &'a Message<'a>) -> Option<(Key<'a>, i64)> {
     let t = time_ms(m.time()?)?;
     let k = match m {
-        Message::Commit(c) => Key::Rev { did: c.repo, rev: c.rev },
-        Message::Sync(s) => Key::Rev { did: s.did, rev: s.rev },
-        Message::Identity(i) => Key::Once { did: i.did, time: t },
-        Message::Account(a) => Key::Once { did: a.did, time: t },
+        Message::Commit(c) => Key::Rev { kind: 0, did: c.repo, rev: c.rev },
+        Message::Sync(s) => Key::Rev { kind: 1, did: s.did, rev: s.rev },
+        Message::Identity(i) => Key::Once { kind: 2, did: i.did, time: t },
+        Message::Account(a) => Key::Once { kind: 3, did: a.did, time: t },
         Message::Info(_) | Message::Unknown { .. } => return None,
     };
     Some((k, t))
@@ -78,9 +79,11 @@ fn key<'a>(m: &'a Message<'a>) -> Option<(Key<'a>, i64)> {
 #[derive(Debug)]
 pub(crate) struct Recent {
     window: i64,
-    revs: HashMap<String, (String, i64)>,
-    once: HashSet<(String, i64)>,
-    order: VecDeque<(i64, String)>,
+    /// Per kind (commit, sync): repo → (newest rev delivered, time of its last event).
+    revs: [HashMap<String, (String, i64)>; 2],
+    once: HashSet<(usize, String, i64)>,
+    /// (time, kind, did) in delivery order, for pruning.
+    order: VecDeque<(i64, usize, String)>,
     newest: i64,
 }
 
@@ -88,7 +91,7 @@ impl Recent {
     pub(crate) fn new(window_ms: i64) -> Self {
         Self {
             window: window_ms,
-            revs: HashMap::new(),
+            revs: [HashMap::new(), HashMap::new()],
             once: HashSet::new(),
             order: VecDeque::new(),
             newest: i64::MIN,
@@ -99,8 +102,8 @@ impl Recent {
     /// than the newest delivered for its repo; an identity/account seen with its time).
     pub(crate) fn seen(&self, m: &Message<'_>) -> bool {
         match key(m) {
-            Some((Key::Rev { did, rev }, _)) => self.revs.get(did).is_some_and(|(r, _)| rev <= r.as_str()),
-            Some((Key::Once { did, time }, _)) => self.once.contains(&(did.to_owned(), time)),
+            Some((Key::Rev { kind, did, rev }, _)) => self.revs[kind].get(did).is_some_and(|(r, _)| rev <= r.as_str()),
+            Some((Key::Once { kind, did, time }, _)) => self.once.contains(&(kind, did.to_owned(), time)),
             None => false,
         }
     }
@@ -109,35 +112,97 @@ impl Recent {
     pub(crate) fn record(&mut self, m: &Message<'_>) {
         let Some((k, t)) = key(m) else { return };
         match k {
-            Key::Rev { did, rev } => {
-                let e = self.revs.entry(did.to_owned()).or_insert_with(|| (String::new(), t));
+            Key::Rev { kind, did, rev } => {
+                let e = self.revs[kind].entry(did.to_owned()).or_insert_with(|| (String::new(), t));
                 if rev > e.0.as_str() {
                     e.0.clear();
                     e.0.push_str(rev);
                 }
                 e.1 = t;
-                self.order.push_back((t, did.to_owned()));
+                self.order.push_back((t, kind, did.to_owned()));
             }
-            Key::Once { did, time } => {
-                self.once.insert((did.to_owned(), time));
-                self.order.push_back((t, did.to_owned()));
+            Key::Once { kind, did, time } => {
+                self.once.insert((kind, did.to_owned(), time));
+                self.order.push_back((t, kind, did.to_owned()));
             }
         }
         self.newest = self.newest.max(t);
-        while let Some((t0, _)) = self.order.front() {
+        while let Some((t0, _, _)) = self.order.front() {
             if *t0 >= self.newest - self.window {
                 break;
             }
-            let (t0, did) = self.order.pop_front().expect("front");
-            if self.revs.get(&did).is_some_and(|(_, last)| *last <= t0) {
-                self.revs.remove(&did);
+            let (t0, kind, did) = self.order.pop_front().expect("front");
+            if kind < 2 {
+                if self.revs[kind].get(&did).is_some_and(|(_, last)| *last <= t0) {
+                    self.revs[kind].remove(&did);
+                }
+            } else {
+                self.once.remove(&(kind, did, t0));
             }
-            self.once.remove(&(did, t0));
         }
     }
 
     /// Repos and one-off events remembered (the memory bound).
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.revs.len() + self.once.len()
+        self.revs[0].len() + self.revs[1].len() + self.once.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(frames: &[relay_client::capture::Bytes]) -> Vec<Message<'_>> {
+        frames
+            .iter()
+            .filter_map(|f| match relay_client::decode(f).ok()? {
+                relay_client::Frame::Message(m) => Some(m),
+                relay_client::Frame::Error(_) => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_time_at_a_cursor_is_the_newest_delivered_at_or_below_it() {
+        let mut t = Times::default();
+        assert_eq!(t.take_until(5), None);
+        t.push(1, 10);
+        t.push(2, 20);
+        t.push(5, 50);
+        assert_eq!(t.take_until(3), Some(20));
+        assert_eq!(t.take_until(3), Some(20), "taken once, kept");
+        assert_eq!(t.at_cursor(), Some(20));
+        assert_eq!(t.take_until(9), Some(50));
+    }
+
+    #[test]
+    fn what_was_delivered_is_seen_again_and_memory_stays_within_the_window() {
+        let frames = testkit::fixture_frames();
+        let all = messages(&frames);
+        let mut r = Recent::new(60_000);
+        for m in &all {
+            assert!(!r.seen(m), "a first delivery is never a duplicate: {m:?}");
+            r.record(m);
+            assert!(r.seen(m), "and once delivered, it is");
+        }
+        // Older revs of a repo count as delivered; nothing later than the newest does.
+        let last_commit = all.iter().rev().find(|m| matches!(m, Message::Commit(_))).expect("a commit");
+        let Message::Commit(c) = last_commit else { unreachable!() };
+        let older = all
+            .iter()
+            .find(|m| matches!(m, Message::Commit(o) if o.repo == c.repo && o.rev < c.rev))
+            .expect("an older commit of the same repo");
+        assert!(r.seen(older));
+        // A 1 ms window keeps only what shares the newest time: the state is bounded by
+        // time, not by how much went through.
+        let mut tight = Recent::new(1);
+        let mut peak = 0;
+        for m in &all {
+            tight.record(m);
+            peak = peak.max(tight.len());
+        }
+        assert!(peak <= 8, "peak {peak} entries with a 1 ms window");
+        assert!(r.len() > tight.len());
     }
 }

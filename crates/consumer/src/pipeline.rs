@@ -55,7 +55,15 @@ impl Pipeline {
         // writing; the window also keeps finished events behind an unfinished one.
         // Intake waits while the window is full, whatever fills it.
         let capacity = lanes_n * (shape.queue_depth + batch_max);
-        Self { lanes, tasks, done, watermark: Watermark::new(start, capacity), ctx, committed: start, times: Times::default() }
+        Self {
+            lanes,
+            tasks,
+            done,
+            watermark: Watermark::new(start, capacity),
+            ctx,
+            committed: start,
+            times: Times::default(),
+        }
     }
 
     /// The lane of a repo (FNV-1a of the DID).

@@ -363,11 +363,20 @@ impl Leader<'_, '_> {
             return Ok(Some(c));
         }
         let wait = cx.settings.client.connect_timeout;
-        let found = guarded(cx, &self.term, find_start(cx.url(to), target, opts.switch_max_probes, wait)).await?;
+        // Boxed: the probe's WebSocket state would otherwise sit in every enclosing future.
+        let probe = Box::pin(find_start(cx.url(to), target, opts.switch_max_probes, wait));
+        let found = guarded(cx, &self.term, probe).await?;
         match found {
             Ok(f) => {
                 metrics::counter!(m::SWITCH_PROBES).increment(u64::from(f.probes));
-                tracing::info!(relay = to.as_str(), cursor = f.cursor, probes = f.probes, probe_ms = f.elapsed.as_millis() as u64, overlap_ms = overlap, "switch: found where to resume by time");
+                tracing::info!(
+                    relay = to.as_str(),
+                    cursor = f.cursor,
+                    probes = f.probes,
+                    probe_ms = f.elapsed.as_millis() as u64,
+                    overlap_ms = overlap,
+                    "switch: found where to resume by time"
+                );
                 Ok(Some(f.cursor))
             }
             Err(ProbeError::Gap { oldest_ms, oldest_seq }) => {
@@ -453,7 +462,7 @@ impl Leader<'_, '_> {
             return s;
         }
         let m = f.message();
-        let time = if self.recent.is_some() || seq % 64 == 0 { m.time().and_then(time_ms) } else { None };
+        let time = if self.recent.is_some() || seq.is_multiple_of(64) { m.time().and_then(time_ms) } else { None };
         if let Some(t) = time {
             self.p.times.push(seq, t);
         }

@@ -64,7 +64,7 @@ impl Oracle {
         m
     }
 
-    fn from_secondary(&self) -> usize {
+    fn taken_from_secondary(&self) -> usize {
         self.got.lock().expect("got").iter().filter(|(_, r)| *r == RelayRole::Secondary).count()
     }
 
@@ -148,7 +148,8 @@ async fn replica(
         .expect("build")
 }
 
-type Running = (consumer::StatusHandle, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), consumer::Error>>);
+type Running =
+    (consumer::StatusHandle, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), consumer::Error>>);
 
 fn spawn(c: Consumer) -> Running {
     let status = c.status();
@@ -180,11 +181,15 @@ async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing
     let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
     on(&status, RelayRole::Primary, "leading on the primary").await;
     delivered_at_least(&oracle, 300).await;
+    let t0 = std::time::Instant::now();
     primary.handle().set_down(true);
     on(&status, RelayRole::Secondary, "failover to the secondary").await;
+    eprintln!("failover: primary down → connected to the secondary at the found cursor in {:?}", t0.elapsed());
     delivered_at_least(&oracle, 650).await;
     primary.handle().set_down(false);
+    let t0 = std::time::Instant::now();
     on(&status, RelayRole::Primary, "failback to the primary").await;
+    eprintln!("failback: primary up → connected to it at the found cursor in {:?}", t0.elapsed());
     delivered_at_least(&oracle, 950).await;
     primary.handle().set_down(true);
     on(&status, RelayRole::Secondary, "failover again").await;
@@ -193,7 +198,7 @@ async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _ = stop.send(());
     run.await.expect("join").expect("clean stop");
-    assert!(oracle.from_secondary() > 0, "the secondary served part of the stream");
+    assert!(oracle.taken_from_secondary() > 0, "the secondary served part of the stream");
     oracle.assert_exactly_once(&want);
 }
 
@@ -243,12 +248,13 @@ async fn a_secondary_window_too_short_fails_naming_the_time_range_or_continues_u
                 let msg = out.expect_err("a gap stops the leader").to_string();
                 assert!(msg.contains("without a gap") && msg.contains("FIREKEEPER_GAP=live"), "{msg}");
                 assert!(msg.contains("2026-12-02T"), "names the time range: {msg}");
-                assert_eq!(oracle.from_secondary(), 0, "nothing taken from the secondary");
+                assert_eq!(oracle.taken_from_secondary(), 0, "nothing taken from the secondary");
                 drop(stop);
             }
             GapPolicy::Live => {
                 on(&status, RelayRole::Secondary, "on the secondary despite the gap").await;
-                eventually("the secondary's window delivered", WAIT, async || oracle.from_secondary() > 250).await;
+                eventually("the secondary's window delivered", WAIT, async || oracle.taken_from_secondary() > 250)
+                    .await;
                 let last_gap = status.snapshot().last_gap.expect("the gap is shown in the status");
                 assert!(last_gap.contains("secondary") && last_gap.contains("2026-12-02T"), "{last_gap}");
                 let _ = stop.send(());

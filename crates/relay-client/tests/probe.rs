@@ -24,9 +24,8 @@ async fn finds_the_newest_cursor_not_after_the_target_time_and_reports_gaps() {
     assert!(ev.windows(2).all(|w| w[0].1 <= w[1].1), "the fixture's times do not decrease");
     let window = 200;
     let cfg = SimConfig { window_start: Some(window), ..SimConfig::default() };
-    let sim = RelaySim::start_with(testkit::fixture_frames(), cfg, "127.0.0.1:0".parse().expect("addr"))
-        .await
-        .expect("sim");
+    let sim =
+        RelaySim::start_with(testkit::fixture_frames(), cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim");
     let url = RelayUrl::parse(&sim.url()).expect("url");
     let wait = Duration::from_millis(500);
     for k in [window as usize + 5, 700, 1100, ev.len() - 1] {

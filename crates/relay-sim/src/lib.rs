@@ -136,9 +136,11 @@ fn frame_did(bytes: &[u8]) -> Option<String> {
 #[must_use]
 pub fn reseq(frames: &[Bytes], offset: u64, block: usize, seed: u64) -> Vec<Bytes> {
     let rank = |did: &Option<String>| {
-        let h = did.as_deref().unwrap_or("").bytes().fold(0xcbf2_9ce4_8422_2325_u64 ^ seed, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        });
+        let h = did
+            .as_deref()
+            .unwrap_or("")
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325_u64 ^ seed, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
         h.rotate_left(17) ^ seed
     };
     let mut events: Vec<(Option<String>, &Bytes)> =
