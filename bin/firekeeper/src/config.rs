@@ -464,6 +464,13 @@ mod tests {
             (c.options.lanes, c.options.queue_depth, c.options.commit_interval, c.options.drain_budget),
             (o.lanes, o.queue_depth, o.commit_interval, o.drain_budget)
         );
+        assert_eq!(
+            (c.options.switch_overlap, c.options.switch_max_probes, c.options.gap),
+            (o.switch_overlap, o.switch_max_probes, o.gap)
+        );
+        let live = cfg(&[("FIREKEEPER_GAP", "live"), ("FIREKEEPER_SWITCH_OVERLAP_MS", "5000")]).expect("valid");
+        assert_eq!((live.options.gap, live.options.switch_overlap), (GapPolicy::Live, Duration::from_secs(5)));
+        assert!(cfg(&[("FIREKEEPER_GAP", "skip")]).is_err(), "only fail or live");
         let k = ClientConfig::default();
         assert_eq!(
             (c.client.failover_after, c.client.max_frame_bytes, c.client.future_cursor, c.client.bad_frame),
