@@ -149,6 +149,9 @@ pub struct Spec {
     pub extra_env: Vec<(&'static str, String)>,
     /// The binary to run; [`firekeeper_bin`] when `None` (a bench may compare versions).
     pub bin: Option<PathBuf>,
+    /// The secondary serves the events in its own seq space ([`relay_sim::reseq`]): judge
+    /// with [`Cluster::check_keys`], which keys events by (repo, rev), not by seq.
+    pub secondary_seq_space: bool,
 }
 
 impl Default for Spec {
@@ -162,6 +165,7 @@ impl Default for Spec {
             sink: "jsonl",
             extra_env: Vec::new(),
             bin: None,
+            secondary_seq_space: false,
         }
     }
 }
@@ -223,6 +227,35 @@ fn watch_roles(addrs: Vec<String>, overlaps: Arc<Mutex<Vec<String>>>) -> tokio::
     })
 }
 
+/// The key [`Cluster::keys_seen`] files an event's JSON under.
+fn event_key(e: &serde_json::Value) -> String {
+    let s = |k: &str| e[k].as_str().unwrap_or("").to_owned();
+    match e["type"].as_str() {
+        Some("#commit") => format!("#commit {} {}", s("repo"), s("rev")),
+        Some("#sync") => format!("#sync {} {}", s("did"), s("rev")),
+        Some(t) => format!("{t} {} {}", s("did"), s("time")),
+        None => String::new(),
+    }
+}
+
+/// Every event key of the fixture (one copy: more copies repeat the same keys).
+fn fixture_keys() -> std::collections::BTreeSet<String> {
+    use relay_client::Message;
+    fixture_frames()
+        .iter()
+        .filter_map(|f| match relay_client::decode(f).ok()? {
+            relay_client::Frame::Message(m) => Some(match m {
+                Message::Commit(c) => format!("#commit {} {}", c.repo, c.rev),
+                Message::Sync(x) => format!("#sync {} {}", x.did, x.rev),
+                Message::Identity(x) => format!("#identity {} {}", x.did, x.time),
+                Message::Account(x) => format!("#account {} {}", x.did, x.time),
+                Message::Info(_) | Message::Unknown { .. } => return None,
+            }),
+            relay_client::Frame::Error(_) => None,
+        })
+        .collect()
+}
+
 /// Records every value of the cursor at `key` (every 10 ms) into `history`, reading
 /// from whatever Redis `url` names at the time (a Redis failover moves it).
 fn watch_cursor(url: Arc<Mutex<String>>, key: String, history: Arc<Mutex<Vec<u64>>>) -> tokio::task::JoinHandle<()> {
@@ -258,6 +291,7 @@ impl Cluster {
             .await
             .expect("sim");
         let relay2 = if spec.secondary {
+            let frames = if spec.secondary_seq_space { relay_sim::reseq(&frames, 1_000_000, 16, 7) } else { frames };
             Some(RelaySim::start_with(frames, sim_cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim2"))
         } else {
             None
@@ -446,6 +480,55 @@ impl Cluster {
         assert!(back.len() <= rewinds, "cursor regressed: {back:?}");
         assert_eq!(history.last().copied(), Some(self.total), "final cursor committed");
         seen.values().filter(|v| v.len() > 1).count()
+    }
+
+    /// Event key → how many lines carry it, over every output file. The key is
+    /// `type repo rev` for commits and syncs, `type did time` for identity and account:
+    /// the same on every relay, whatever its seq.
+    #[must_use]
+    pub fn keys_seen(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for r in &self.replicas {
+            for f in r.out_files() {
+                let Ok(text) = std::fs::read_to_string(&f) else { continue };
+                for line in text.lines() {
+                    let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+                    *m.entry(event_key(&v["event"])).or_insert(0) += 1;
+                }
+            }
+        }
+        m
+    }
+
+    /// Waits until every event of the stream appears in some output (by key).
+    pub async fn wait_keys_complete(&self) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let n = self.keys_seen().len() as u64;
+            if n >= self.total {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {n} of {} events arrived; logs in {}",
+                self.total,
+                self.dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The oracle by event key (for a cluster of one fixture copy): none missing, no
+    /// two leaders at once; returns how many events were delivered more than once.
+    #[allow(clippy::must_use_candidate)] // it asserts; the count is for callers that want it
+    pub fn check_keys(&self) -> usize {
+        let overlaps = self.overlaps.lock().expect("overlaps").clone();
+        assert!(overlaps.is_empty(), "two replicas led at once (replica, token): {overlaps:?}");
+        let want = fixture_keys();
+        let seen = self.keys_seen();
+        let missing: Vec<_> = want.iter().filter(|k| !seen.contains_key(*k)).take(5).collect();
+        assert!(missing.is_empty(), "events missing: {missing:?}; logs in {}", self.dir.display());
+        seen.values().filter(|n| **n > 1).count()
     }
 
     /// The highest token any committed cursor carried: read fence-seen.
