@@ -323,7 +323,9 @@ impl Cluster {
         let mut c = redis.admin();
         let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
         let _: () = redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp}")).arg(0).query(&mut c).expect("preseed");
-        if let Some(r2) = &relay2 {
+        // A secondary in its own seq space starts with no cursor, as in a deployment: where
+        // to enter it is found by time at the switch.
+        if let Some(r2) = relay2.as_ref().filter(|_| !spec.secondary_seq_space) {
             let fp2 = relay_client::RelayUrl::parse(&r2.url()).expect("url").fingerprint().to_owned();
             let _: () =
                 redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp2}")).arg(0).query(&mut c).expect("preseed");
