@@ -291,8 +291,15 @@ impl Cluster {
             .await
             .expect("sim");
         let relay2 = if spec.secondary {
-            let frames = if spec.secondary_seq_space { relay_sim::reseq(&frames, 1_000_000, 16, 7) } else { frames };
-            Some(RelaySim::start_with(frames, sim_cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim2"))
+            // In its own seq space the secondary also holds the whole stream from the start
+            // (a relay ahead of the primary): entering it at its live tail would skip
+            // events, so the oracle sees whether the switch found the right place.
+            let (frames, cfg) = if spec.secondary_seq_space {
+                (relay_sim::reseq(&frames, 1_000_000, 16, 7), SimConfig::default())
+            } else {
+                (frames, sim_cfg)
+            };
+            Some(RelaySim::start_with(frames, cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim2"))
         } else {
             None
         };
