@@ -28,6 +28,9 @@ pub(crate) struct Times {
     samples: VecDeque<(u64, i64)>,
     /// Time of the newest sample at or below the last cursor taken.
     at_cursor: Option<i64>,
+    /// The position carried over from before this pipeline (the other relay's, or the
+    /// stored one): a relay entered behind it must not move the position back in time.
+    carried: Option<i64>,
 }
 
 impl Times {
@@ -45,12 +48,20 @@ impl Times {
             self.at_cursor = Some(t);
             self.samples.pop_front();
         }
-        self.at_cursor
+        self.at_cursor()
     }
 
-    /// The time at the last cursor taken.
+    /// The time at the last cursor taken, never before the carried position.
     pub(crate) fn at_cursor(&self) -> Option<i64> {
-        self.at_cursor
+        match (self.at_cursor, self.carried) {
+            (Some(a), Some(c)) => Some(a.max(c)),
+            (a, c) => a.or(c),
+        }
+    }
+
+    /// Starts from a position known from before (see `carried`).
+    pub(crate) fn carry(&mut self, t: Option<i64>) {
+        self.carried = t;
     }
 }
 
@@ -174,6 +185,10 @@ mod tests {
         assert_eq!(t.take_until(3), Some(20), "taken once, kept");
         assert_eq!(t.at_cursor(), Some(20));
         assert_eq!(t.take_until(9), Some(50));
+        let mut behind = Times::default();
+        behind.carry(Some(100));
+        behind.push(1, 10);
+        assert_eq!(behind.take_until(1), Some(100), "a relay entered behind keeps the position");
     }
 
     #[test]

@@ -314,8 +314,10 @@ struct Leader<'a, 'c> {
     last_time: String,
     /// What was handed over recently (kept only with a secondary relay configured).
     recent: Option<Recent>,
-    /// After a switch, until this relay time: drop what `recent` already holds.
-    dedupe_until: Option<i64>,
+    /// After a switch, `(floor, until)` in relay time: until `until`, drop what `recent`
+    /// already holds, and anything older than `floor` (before the switch point and past
+    /// what `recent` remembers: a target relay that lags behind serves those again).
+    dedupe: Option<(i64, i64)>,
 }
 
 impl Leader<'_, '_> {
@@ -467,11 +469,11 @@ impl Leader<'_, '_> {
             self.p.times.push(seq, t);
         }
         if let Some(recent) = &mut self.recent {
-            if let Some(until) = self.dedupe_until {
+            if let Some((floor, until)) = self.dedupe {
                 if time.is_some_and(|t| t > until) {
                     tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");
-                    self.dedupe_until = None;
-                } else if recent.seen(m) {
+                    self.dedupe = None;
+                } else if recent.seen(m) || time.is_some_and(|t| t < floor) {
                     metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
                     return self.pass(seq);
                 }
@@ -548,7 +550,9 @@ impl Leader<'_, '_> {
                     if let Err(s) = self.settle().await {
                         return s;
                     }
+                    let at = self.p.times.at_cursor();
                     self.p = self.pipeline(self.role, None);
+                    self.p.times.carry(at);
                     self.rewind = Some(Rewind::WentLive(rejected));
                 }
                 Step::Next
@@ -564,8 +568,10 @@ impl Leader<'_, '_> {
                 match self.switch_start(to, at).await {
                     Ok(cursor) => {
                         self.p = self.pipeline(to, cursor);
+                        self.p.times.carry(at);
                         self.begin(to, cursor);
-                        self.dedupe_until = at.map(|w| w + overlap_ms(self.cx.settings));
+                        let overlap = overlap_ms(self.cx.settings);
+                        self.dedupe = at.map(|w| (w - 2 * overlap, w + overlap));
                         Step::Next
                     }
                     Err(s) => s,
@@ -590,10 +596,12 @@ impl Leader<'_, '_> {
                 biased;
                 () = cancel.cancelled() => Step::End(TermEnd::Lost),
                 () = self.cx.shutdown.cancelled() => Step::Shutdown,
+                // Before the done results: a busy stream always has one ready, and a
+                // biased select would never reach the commit tick behind them.
+                _ = tick.tick() => self.tick().await,
                 Some(r) = self.p.done.recv() => {
                     if self.p.on_done(r).is_err() { Step::End(TermEnd::Lost) } else { Step::Next }
                 }
-                _ = tick.tick() => self.tick().await,
                 item = self.sub.next(), if has_room => self.on_item(item).await,
             };
             match step {
@@ -686,11 +694,18 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     };
     let s = cx.settings;
     let sub = Subscription::new(s.client.clone(), s.primary.clone(), s.secondary.clone());
-    let p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor);
+    let mut p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor);
+    // The position by time, as the last leader left it.
+    match guarded(cx, &term, cx.store.read_time(cx.url(role).fingerprint())).await {
+        Ok(Ok(t)) => p.times.carry(t),
+        Ok(Err(e)) => tracing::warn!(error = %e, "reading the stored time of the cursor failed"),
+        Err(Interrupted::TermEnded) => return TermEnd::Lost,
+        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+    }
     // Twice the overlap: a relay's order is only roughly by time, so events a little older
     // than the overlap's start can still come after it.
     let recent = s.secondary.as_ref().map(|_| Recent::new(2 * overlap_ms(s)));
-    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new(), recent, dedupe_until: None };
+    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new(), recent, dedupe: None };
     l.begin(role, cursor);
     match l.run().await {
         Some(end) => end,

@@ -74,3 +74,62 @@ async fn after_an_abandoned_drain_no_batch_reaches_the_handler() {
     assert_eq!(gate.calls.load(Ordering::SeqCst), 1, "only the blocked batch was ever handed over");
     assert_eq!(gate.after_stop.load(Ordering::SeqCst), 0, "no batch after run returned");
 }
+
+/// Counts events; takes a little time per batch, as a real sink does.
+#[derive(Default)]
+struct Slowish(AtomicUsize);
+
+#[async_trait]
+impl Handler for Slowish {
+    async fn handle(&self, batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+        self.0.fetch_add(batch.len(), Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn max_batch(&self) -> usize {
+        8
+    }
+}
+
+/// A busy stream (everything published, batches finishing all the time) still commits
+/// on every tick: the commit must not starve behind the lanes' results, or a crash
+/// replays the whole backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_keep_up_while_the_stream_is_busy() {
+    let frames = relay_sim::capture::repeat(&testkit::fixture_frames(), 10);
+    let total = frames.len();
+    let sim = RelaySim::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("a")).await.expect("sim");
+    let relay = RelayUrl::parse(&sim.url()).expect("url");
+    let dir = testkit::tmpdir("busy");
+    let lock = dir.join("lease.lock");
+    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
+    store.force(relay.fingerprint(), 0).await.expect("seed");
+    let h = Arc::new(Slowish::default());
+    let options = Options { commit_interval: Duration::from_millis(20), ..Options::default() };
+    let consumer = Builder::new(relay)
+        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
+        .store(store)
+        .shared_handler(h.clone())
+        .options(options)
+        .build()
+        .expect("build");
+    let status = consumer.status();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer.run(async {
+        let _ = stopped.await;
+    }));
+    // Sample: did a commit land while most of the stream was still to come?
+    let mut committed_mid_stream = false;
+    testkit::eventually("the stream consumed", testkit::WAIT, async || {
+        let done = h.0.load(Ordering::SeqCst);
+        if done < total / 2 && status.snapshot().committed.is_some_and(|c| c > 0) {
+            committed_mid_stream = true;
+        }
+        done >= total
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    assert!(committed_mid_stream, "no commit landed while the first half of the stream was being handled");
+}
