@@ -717,7 +717,8 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
 pub(crate) async fn run_term(cx: &Ctx<'_>, term: Term) -> TermEnd {
     let span = tracing::info_span!("term", token = term.token(), epoch = term.epoch());
     cx.status.set_term(Some(term.clone()));
-    let end = run_term_inner(cx, term).instrument(span).await;
+    // Boxed once per term: the term's state machine is large, the caller's future stays small.
+    let end = Box::pin(run_term_inner(cx, term).instrument(span)).await;
     // The supervisor waits for every clone of a lost term to drop before contending.
     cx.status.set_term(None);
     end
