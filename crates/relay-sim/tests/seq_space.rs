@@ -44,3 +44,15 @@ fn without_drops_exactly_the_picked_events() {
     let fewer = relay_sim::without(&frames, |m| matches!(m, relay_client::Message::Commit(c) if c.rev == victim));
     assert_eq!(fewer.len(), frames.len() - 1);
 }
+
+#[test]
+fn repeat_in_time_moves_each_copy_a_day_later_and_keeps_frames_valid() {
+    let frames = testkit::fixture_frames();
+    let three = relay_sim::capture::repeat_in_time(&frames, 3);
+    let k = keys(&three);
+    assert_eq!(k.len(), 3 * keys(&frames).len(), "every frame still decodes");
+    assert!(k.windows(2).all(|w| w[0].0 < w[1].0), "seqs increase");
+    let n = k.len() / 3;
+    assert!(k[n].2.starts_with("2026-12-03T") && k[2 * n].2.starts_with("2026-12-04T"), "{:?}", (&k[n].2, &k[2 * n].2));
+    assert!(k[n - 1].2 < k[n].2, "time increases across copies");
+}

@@ -284,7 +284,13 @@ impl Cluster {
     pub async fn start(name: &str, spec: Spec) -> Self {
         let dir = tmpdir(name);
         let redis = RedisServer::start();
-        let frames = capture::repeat(&fixture_frames(), spec.copies);
+        // With a secondary, relay time must keep increasing across copies (switches find
+        // their place by time).
+        let frames = if spec.secondary {
+            capture::repeat_in_time(&fixture_frames(), spec.copies)
+        } else {
+            capture::repeat(&fixture_frames(), spec.copies)
+        };
         let total = frames.iter().filter(|f| relay_sim::frame_seq(f).is_some()).count() as u64;
         let sim_cfg = SimConfig { rate: spec.rate, initial_head: spec.rate.map(|_| 0), ..SimConfig::default() };
         let relay = RelaySim::start_with(frames.clone(), sim_cfg.clone(), "127.0.0.1:0".parse().expect("addr"))
