@@ -40,7 +40,9 @@ pub fn repeat_in_time(frames: &[Bytes], times: usize) -> Vec<Bytes> {
     let Ok(first) = time::Date::parse(&date, &format) else { return repeat(frames, times) };
     let mut out = Vec::with_capacity(frames.len() * times);
     for k in 0..times {
-        let day = first.checked_add(time::Duration::days(k as i64)).and_then(|d| d.format(&format).ok());
+        let day = first
+            .checked_add(time::Duration::days(i64::try_from(k).unwrap_or(i64::MAX)))
+            .and_then(|d| d.format(&format).ok());
         let day = day.unwrap_or_else(|| date.clone());
         for f in frames {
             out.push(Bytes::from(replace_all(f, date.as_bytes(), day.as_bytes())));
