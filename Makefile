@@ -1,7 +1,7 @@
 # firekeeper: build, test, bench.
 #   make run     relay-sim replays the fixture; firekeeper consumes it on embedded defaults
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
-#   make bench   decode benchmark (criterion) and figures through the real binary
+#   make bench   decode benchmark (criterion), the chain check's memory, figures through the real binary
 #   make chaos   the fault suite at scale 4 (make test runs it at scale 1)
 #   make soak    30 minutes of random faults under the chaos oracle (make test runs 20 s)
 #   make lint    the CI style gates: rustfmt check, clippy (pedantic) with warnings as errors
@@ -29,6 +29,7 @@ test: deps
 
 bench: deps
 	$(CARGO) bench -p relay-client --bench decode
+	$(CARGO) bench -p consumer --bench chain
 	$(CARGO) bench -p firekeeper --bench cluster
 
 chaos: deps

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use consumer::{CollectionFilter, GapPolicy, Options};
+use consumer::{ChainBreaks, CollectionFilter, GapPolicy, Options};
 use lease::LeaseConfig;
 use relay_client::client::{BadFramePolicy, FutureCursorPolicy};
 use relay_client::{ClientConfig, RelayUrl};
@@ -329,6 +329,13 @@ impl Vars {
                 "live" => GapPolicy::Live,
                 _ => GapPolicy::Fail,
             },
+            chain_repos: self.count("FIREKEEPER_CHAIN_REPOS"),
+            chain_breaks: ChainBreaks::Count,
+        };
+        let options = match self.choice("FIREKEEPER_CHAIN_BREAKS") {
+            "emit" => Options { chain_breaks: ChainBreaks::Emit, ..options },
+            "off" => Options { chain_repos: 0, ..options },
+            _ => options,
         };
         if options.drain_budget >= ttl * 10 {
             self.errors.push(
@@ -471,6 +478,11 @@ mod tests {
         let live = cfg(&[("FIREKEEPER_GAP", "live"), ("FIREKEEPER_SWITCH_OVERLAP_MS", "5000")]).expect("valid");
         assert_eq!((live.options.gap, live.options.switch_overlap), (GapPolicy::Live, Duration::from_secs(5)));
         assert!(cfg(&[("FIREKEEPER_GAP", "skip")]).is_err(), "only fail or live");
+        assert_eq!((c.options.chain_repos, c.options.chain_breaks), (o.chain_repos, o.chain_breaks));
+        let emit = cfg(&[("FIREKEEPER_CHAIN_BREAKS", "emit"), ("FIREKEEPER_CHAIN_REPOS", "10")]).expect("valid");
+        assert_eq!((emit.options.chain_repos, emit.options.chain_breaks), (10, ChainBreaks::Emit));
+        assert_eq!(cfg(&[("FIREKEEPER_CHAIN_BREAKS", "off")]).expect("valid").options.chain_repos, 0);
+        assert!(cfg(&[("FIREKEEPER_CHAIN_REPOS", "0")]).is_err(), "off is said with FIREKEEPER_CHAIN_BREAKS");
         let k = ClientConfig::default();
         assert_eq!(
             (c.client.failover_after, c.client.max_frame_bytes, c.client.future_cursor, c.client.bad_frame),

@@ -348,3 +348,64 @@ async fn a_drain_over_budget_exits_1_and_a_second_signal_forces_exit() {
     let s = tokio::task::spawn_blocking(move || wait_exit(c)).await.expect("join");
     assert_eq!(s.code(), Some(130));
 }
+
+/// A relay that skipped one commit of a repo: with `FIREKEEPER_CHAIN_BREAKS=emit` the
+/// jsonl sink gets one `#chain-break` line naming the repo and the revs, right before the
+/// repo's next commit, and `/metrics` counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_commit_reaches_the_sink_as_a_chain_break_and_is_counted() {
+    let frames = fixture();
+    let commits: Vec<(u64, String, String)> = frames
+        .iter()
+        .filter_map(|f| match relay_client::decode(f).ok()? {
+            relay_client::Frame::Message(relay_client::Message::Commit(c)) => {
+                Some((c.seq, c.repo.to_owned(), c.rev.to_owned()))
+            }
+            _ => None,
+        })
+        .collect();
+    let (before, gone, next) = (1..commits.len())
+        .find_map(|i| {
+            let b = commits[..i].iter().rposition(|c| c.1 == commits[i].1)?;
+            Some((b, i, commits[i + 1..].iter().position(|c| c.1 == commits[i].1)? + i + 1))
+        })
+        .expect("a repo with three commits");
+    let skipped = commits[gone].0;
+    let holed = relay_sim::without(&frames, |m| m.seq() == Some(skipped));
+    let relay =
+        relay_sim::RelaySim::start_with(holed, relay_sim::SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("sim");
+    let dir = tmpdir("chain-break");
+    let mut env = base_env(&relay.url(), &dir);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    env.insert("FIREKEEPER_CHAIN_BREAKS".into(), "emit".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("the whole stream committed", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["committed"] == TOTAL)
+    })
+    .await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert!(metrics.contains("firekeeper_repo_chain_breaks_total 1\n"), "{metrics}");
+    assert!(sigterm_and_wait(child).success());
+    let text = std::fs::read_to_string(&out).expect("output");
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect();
+    let at: Vec<usize> = (0..lines.len()).filter(|&i| lines[i]["event"]["type"] == "#chain-break").collect();
+    assert_eq!(at.len(), 1, "one break");
+    let (b, c) = (&lines[at[0]], &lines[at[0] + 1]);
+    assert_eq!(b["seq"], commits[next].0);
+    assert_eq!(c["seq"], commits[next].0, "the commit that revealed it follows");
+    assert_eq!(c["event"]["type"], "#commit");
+    let e = &b["event"];
+    assert_eq!(
+        (e["repo"].as_str(), e["lastRev"].as_str(), e["since"].as_str(), e["rev"].as_str()),
+        (Some(&*commits[gone].1), Some(&*commits[before].2), Some(&*commits[gone].2), Some(&*commits[next].2))
+    );
+    let log = std::fs::read_to_string(dir.join("c.log")).expect("log");
+    assert!(log.contains("repo chain broken"), "logged");
+}

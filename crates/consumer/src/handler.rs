@@ -7,19 +7,22 @@ use relay_client::json::{FrameOptions, Written, write_message_with};
 use relay_client::{Kind, Message, OwnedFrame, RelayRole};
 use tokio_util::sync::CancellationToken;
 
+use crate::chain::ChainBreak;
+
 /// One event: a validated frame, decoded once by the relay client, with its atproto JSON
 /// rendering when the handler asked for it.
 #[derive(Debug)]
 pub struct Event {
     frame: OwnedFrame,
     json: Option<String>,
+    chain_break: Option<Box<ChainBreak>>,
 }
 
 impl Event {
     /// Wraps a frame (for handler tests: see [`Event::from_bytes`]).
     #[must_use]
     pub fn new(frame: OwnedFrame) -> Self {
-        Self { frame, json: None }
+        Self { frame, json: None, chain_break: None }
     }
 
     /// Decodes a frame as a relay sent it; `None` for frames that are not events (error
@@ -80,6 +83,25 @@ impl Event {
     /// Appends the event in the atproto JSON data model, all ops, records included.
     pub fn render_json(&self, out: &mut String) -> Written {
         render(self.message(), &Render { verify_blocks: false, filter: None }, out)
+    }
+
+    /// With `FIREKEEPER_CHAIN_BREAKS=emit` ([`crate::ChainBreaks::Emit`]): the repo's
+    /// commit chain broke just before this commit (the relay skipped at least one of its
+    /// commits), so downstream should resync the repo.
+    #[must_use]
+    pub fn chain_break(&self) -> Option<&ChainBreak> {
+        self.chain_break.as_deref()
+    }
+
+    /// The event with a chain break attached (for tests of handlers).
+    #[must_use]
+    pub fn with_chain_break(mut self, b: ChainBreak) -> Self {
+        self.set_chain_break(b);
+        self
+    }
+
+    pub(crate) fn set_chain_break(&mut self, b: ChainBreak) {
+        self.chain_break = Some(Box::new(b));
     }
 
     pub(crate) fn set_json(&mut self, json: String) {

@@ -8,6 +8,7 @@
 //! - [`handler`]: [`Event`], [`BatchCtx`] and the [`Handler`] trait.
 //! - [`status`]: the typed [`Role`] and the [`StatusHandle`] a running consumer updates.
 //! - [`metrics`]: every metric the consumer emits, defined once.
+//! - [`chain`]: the per-repo chain check (a commit's `since` against the repo's last rev).
 //! - [`error`]: why a consumer stopped.
 //! - `pipeline` and `term` (private): the lanes and watermark, and one term's work loop.
 //!
@@ -50,6 +51,7 @@
 //! # }
 //! ```
 
+pub mod chain;
 mod continuity;
 pub mod error;
 pub mod handler;
@@ -70,6 +72,7 @@ use relay_client::{ClientConfig, RelayUrl};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
+pub use crate::chain::{ChainBreak, ChainBreaks};
 pub use crate::continuity::GapPolicy;
 pub use crate::error::{Error, Fatal};
 use crate::handler::Render;
@@ -101,6 +104,11 @@ pub struct Options {
     pub switch_max_probes: u32,
     /// What to do when the target relay's window does not reach back far enough.
     pub gap: GapPolicy,
+    /// Check each repo's commit chain (`since` against the last rev) for this many recent
+    /// repos; 0 turns the check off.
+    pub chain_repos: usize,
+    /// What a broken chain does besides being counted.
+    pub chain_breaks: ChainBreaks,
 }
 
 impl Default for Options {
@@ -115,6 +123,8 @@ impl Default for Options {
             switch_overlap: Duration::from_secs(30),
             switch_max_probes: 40,
             gap: GapPolicy::Fail,
+            chain_repos: 1_000_000,
+            chain_breaks: ChainBreaks::Count,
         }
     }
 }

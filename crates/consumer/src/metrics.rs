@@ -38,6 +38,10 @@ pub const ON_SECONDARY: &str = "firekeeper_relay_on_secondary";
 pub const SWITCH_DUPLICATES: &str = "firekeeper_switch_duplicates_dropped_total";
 /// Probes made to find the start on a relay switched to.
 pub const SWITCH_PROBES: &str = "firekeeper_switch_probes_total";
+/// Commits whose `since` was not the last rev seen for their repo (a commit was skipped).
+pub const CHAIN_BREAKS: &str = "firekeeper_repo_chain_breaks_total";
+/// Repos the chain check remembers.
+pub const CHAIN_REPOS: &str = "firekeeper_repo_chain_repos";
 
 const fn counter(name: &'static str, help: &'static str, labels: &'static [(&'static str, &'static str)]) -> Metric {
     Metric { name, kind: MetricKind::Counter, help, labels }
@@ -62,9 +66,11 @@ pub const ALL: &[Metric] = &[
     counter(SINK_ERRORS, "failed sink writes (retried)", &[]),
     counter(SWITCH_DUPLICATES, "events dropped after a relay switch as already handed over", &[]),
     counter(SWITCH_PROBES, "probes made to find where to resume on a relay switched to", &[]),
+    counter(CHAIN_BREAKS, "commits whose since was not the last rev seen for the repo", &[]),
     gauge(LEADER, "1 while this replica leads"),
     gauge(LAG_SECONDS, "age of the newest delivered event (relay time to now)"),
     gauge(LAG_SEQ, "delivered minus committed seq"),
     gauge(QUEUE_DEPTH, "events delivered and not yet done"),
     gauge(ON_SECONDARY, "1 while the leader consumes from the secondary relay"),
+    gauge(CHAIN_REPOS, "repos the chain check remembers"),
 ];

@@ -10,12 +10,13 @@ use lease::{LeaseHandle, StepDownError, Term};
 use relay_client::backoff::{Backoff, BackoffConfig};
 use relay_client::client::SwitchReason;
 use relay_client::probe::{ProbeError, find_start, time_ms};
-use relay_client::{Item, Notice, OwnedFrame, RelayRole, RelayUrl, SubscribeError, Subscription};
+use relay_client::{Item, Message, Notice, OwnedFrame, RelayRole, RelayUrl, SubscribeError, Subscription};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::Settings;
+use crate::chain::{ChainBreaks, Chains};
 use crate::continuity::{GapPolicy, Recent};
 use crate::error::Fatal;
 use crate::handler::{BatchCtx, Event, Handler};
@@ -318,6 +319,8 @@ struct Leader<'a, 'c> {
     /// already holds, and anything older than `floor` (before the switch point and past
     /// what `recent` remembers: a target relay that lags behind serves those again).
     dedupe: Option<(i64, i64)>,
+    /// Each recent repo's last rev, for the chain check (`None` when it is off).
+    chains: Option<Chains>,
 }
 
 impl Leader<'_, '_> {
@@ -480,7 +483,33 @@ impl Leader<'_, '_> {
             }
             recent.record(m);
         }
-        if self.cx.settings.options.collections.as_ref().is_some_and(|c| c.drops(m)) {
+        // Every commit counts for the chain, whether the filter keeps it or not.
+        let broke = self.chains.as_mut().and_then(|c| match m {
+            Message::Commit(cm) => c.commit(cm.repo, cm.rev, cm.since),
+            Message::Sync(sy) => {
+                c.sync(sy.did, sy.rev);
+                None
+            }
+            _ => None,
+        });
+        let emit = match broke {
+            Some(b) => {
+                metrics::counter!(m::CHAIN_BREAKS).increment(1);
+                tracing::warn!(
+                    seq,
+                    relay = self.role.as_str(),
+                    repo = %b.repo,
+                    last_rev = %b.last_rev,
+                    since = %b.since,
+                    rev = %b.rev,
+                    "repo chain broken: the relay skipped a commit of this repo; resync it"
+                );
+                (self.cx.settings.options.chain_breaks == ChainBreaks::Emit).then_some(b)
+            }
+            None => None,
+        };
+        // A filtered-out commit that reveals a break still goes out, to carry the break.
+        if emit.is_none() && self.cx.settings.options.collections.as_ref().is_some_and(|c| c.drops(m)) {
             return self.pass(seq);
         }
         metrics::counter!(m::EVENTS, "type" => m.kind().as_str()).increment(1);
@@ -508,7 +537,11 @@ impl Leader<'_, '_> {
             return Fatal::Watermark { seq, error }.into();
         }
         self.cx.status.add_events(1);
-        permit.send(Event::new(f));
+        let mut e = Event::new(f);
+        if let Some(b) = emit {
+            e.set_chain_break(b);
+        }
+        permit.send(e);
         Step::Next
     }
 
@@ -530,6 +563,9 @@ impl Leader<'_, '_> {
         let lag_seconds = age_seconds(&self.last_time);
         if let Some(l) = lag_seconds {
             metrics::gauge!(m::LAG_SECONDS).set(l);
+        }
+        if let Some(c) = &self.chains {
+            metrics::gauge!(m::CHAIN_REPOS).set(c.len() as f64);
         }
         self.cx.status.update(|s| {
             s.last_seq = delivered;
@@ -705,7 +741,8 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     // Twice the overlap: a relay's order is only roughly by time, so events a little older
     // than the overlap's start can still come after it.
     let recent = s.secondary.as_ref().map(|_| Recent::new(2 * overlap_ms(s)));
-    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new(), recent, dedupe: None };
+    let chains = (s.options.chain_repos > 0).then(|| Chains::new(s.options.chain_repos));
+    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new(), recent, dedupe: None, chains };
     l.begin(role, cursor);
     match l.run().await {
         Some(end) => end,

@@ -2,7 +2,8 @@
 //! same events renumbered and reinterleaved): failover, failback and failover again, a
 //! standby taking over while the leader was on the secondary, and a secondary whose
 //! window does not reach back. The oracle keys events by (repo, rev) — (type, did,
-//! time) for identity and account — and finds none lost and none delivered twice.
+//! time) for identity and account — and finds none lost and none delivered twice, and
+//! the per-repo chain check finds no chain broken across the switches.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -40,6 +41,8 @@ fn keys(frames: &[bytes::Bytes]) -> Vec<Key> {
 #[derive(Default)]
 struct Oracle {
     got: Mutex<Vec<(Key, RelayRole)>>,
+    /// Repos whose chain broke (`ChainBreaks::Emit`).
+    breaks: Mutex<Vec<String>>,
 }
 
 #[async_trait]
@@ -49,6 +52,9 @@ impl Handler for Oracle {
         for e in batch {
             if let Some(k) = key(e.message()) {
                 got.push((k, e.relay()));
+            }
+            if let Some(b) = e.chain_break() {
+                self.breaks.lock().expect("breaks").push(b.repo.clone());
             }
         }
         Ok(())
@@ -75,6 +81,7 @@ impl Oracle {
         let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).take(5).collect();
         assert!(lost.is_empty() && twice.is_empty(), "lost {lost:?}; delivered twice {twice:?}");
         assert_eq!(counts.len(), want.len(), "nothing unexpected");
+        assert_eq!(*self.breaks.lock().expect("breaks"), Vec::<String>::new(), "no repo chain broke");
     }
 }
 
@@ -126,6 +133,7 @@ async fn replica(
         commit_interval: Duration::from_millis(50),
         switch_overlap: Duration::from_secs(5),
         gap,
+        chain_breaks: consumer::ChainBreaks::Emit,
         ..Options::default()
     };
     let lease = lease::LeaseConfig {
@@ -262,6 +270,11 @@ async fn a_secondary_window_too_short_fails_naming_the_time_range_or_continues_u
                 let counts = oracle.counts();
                 assert!(counts.values().all(|n| *n == 1), "still nothing twice");
                 assert!(counts.len() < want.len(), "the gap is real: some events are missing");
+                // The chain check sees it too: repos with commits on both sides of the gap.
+                let broke = oracle.breaks.lock().expect("breaks").clone();
+                assert!(!broke.is_empty(), "the gap breaks repo chains");
+                let missing: Vec<&Key> = want.iter().filter(|k| !counts.contains_key(*k)).collect();
+                assert!(broke.iter().all(|r| missing.iter().any(|k| &k.1 == r)), "only repos with missing commits");
             }
         }
     }

@@ -15,6 +15,9 @@ use tokio::sync::Mutex;
 /// The schema of the Postgres sink's events table.
 pub const EVENTS_MIGRATION: &str = include_str!("../../../migrations/0002_events.sql");
 
+/// The schema of the Postgres sink's chain-break table.
+pub const CHAIN_BREAKS_MIGRATION: &str = include_str!("../../../migrations/0003_chain_breaks.sql");
+
 /// Why a sink could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -39,10 +42,20 @@ pub enum OpenError {
     Http(#[from] reqwest::Error),
 }
 
-/// The JSON line of an event: `{"seq","relay","token","event"}`.
+/// The JSON line of an event: `{"seq","relay","token","event"}`, preceded, when the
+/// event carries a chain break, by a line of the same seq whose event is the
+/// `#chain-break` (so downstream learns to resync the repo before its next commit).
 pub fn line(e: &Event, ctx: &BatchCtx, out: &mut String) {
     use std::fmt::Write as _;
-    let _ = write!(out, "{{\"seq\":{},\"relay\":\"{}\",\"token\":{},\"event\":", e.seq(), ctx.relay, ctx.token);
+    let head = |out: &mut String| {
+        let _ = write!(out, "{{\"seq\":{},\"relay\":\"{}\",\"token\":{},\"event\":", e.seq(), ctx.relay, ctx.token);
+    };
+    if let Some(b) = e.chain_break() {
+        head(out);
+        b.write_json(e.seq(), out);
+        out.push_str("}\n");
+    }
+    head(out);
     match e.json() {
         Some(j) => out.push_str(j),
         None => {
@@ -192,6 +205,7 @@ impl Postgres {
         let pg = |what| move |source| OpenError::Postgres { what, source };
         client.batch_execute(checkpoint::postgres_store::MIGRATION).await.map_err(pg("cursor schema"))?;
         client.batch_execute(EVENTS_MIGRATION).await.map_err(pg("events schema"))?;
+        client.batch_execute(CHAIN_BREAKS_MIGRATION).await.map_err(pg("chain-breaks schema"))?;
         Ok(Self(Mutex::new(client)))
     }
 }
@@ -240,6 +254,29 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
     )
     .await
     .map_err(pg)?;
+    let breaks: Vec<(i64, &consumer::ChainBreak)> =
+        batch.iter().filter_map(|e| Some((i64::try_from(e.seq()).unwrap_or(i64::MAX), e.chain_break()?))).collect();
+    if !breaks.is_empty() {
+        let col = |f: fn(&consumer::ChainBreak) -> &str| breaks.iter().map(|(_, b)| f(b)).collect::<Vec<&str>>();
+        let seqs: Vec<i64> = breaks.iter().map(|(s, _)| *s).collect();
+        tx.execute(
+            "INSERT INTO firekeeper_chain_breaks (relay, seq, token, did, last_rev, since, rev)
+             SELECT $1, s, $2, d, l, p, r
+             FROM UNNEST($3::bigint[], $4::text[], $5::text[], $6::text[], $7::text[]) AS t(s, d, l, p, r)
+             ON CONFLICT (relay, seq) DO NOTHING",
+            &[
+                &ctx.fingerprint,
+                &token,
+                &seqs,
+                &col(|b| &b.repo),
+                &col(|b| &b.last_rev),
+                &col(|b| &b.since),
+                &col(|b| &b.rev),
+            ],
+        )
+        .await
+        .map_err(pg)?;
+    }
     match PostgresStore::commit_in(&tx, &ctx.fingerprint, last.seq(), ctx.token).await {
         Ok(CommitOutcome::Fenced { .. }) => {
             let _ = tx.rollback().await;

@@ -142,3 +142,61 @@ fn a_line_renders_the_event_when_the_lane_did_not() {
     let body = ctx_line(&evs[0]);
     assert!(body.starts_with(&format!("{{\"seq\":{},", evs[0].seq())), "{body}");
 }
+
+fn a_break() -> consumer::ChainBreak {
+    consumer::ChainBreak {
+        repo: "did:plc:a".into(),
+        last_rev: "3jzfcijpj2z2c".into(),
+        since: "3jzfcijpj2z2e".into(),
+        rev: "3jzfcijpj2z2g".into(),
+    }
+}
+
+/// A chain break goes out as a `#chain-break` line of the same seq, before its commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_break_is_written_as_its_own_line_before_the_commit() {
+    let dir = testkit::tmpdir("sink-chain");
+    let (h, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let out = dir.join("out.jsonl");
+    let sink = jsonl(&out);
+    let mut evs = events(2);
+    let second = evs.pop().expect("two").with_chain_break(a_break());
+    let seq = second.seq();
+    evs.push(second);
+    sink.handle(&evs, &ctx).await.expect("written");
+    let text = std::fs::read_to_string(&out).expect("read");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[1].starts_with(&format!("{{\"seq\":{seq},")), "{}", lines[1]);
+    let want = format!(
+        r##""event":{{"seq":{seq},"type":"#chain-break","repo":"did:plc:a","lastRev":"3jzfcijpj2z2c","since":"3jzfcijpj2z2e","rev":"3jzfcijpj2z2g"}}}}"##
+    );
+    assert!(lines[1].ends_with(&want), "{}", lines[1]);
+    assert!(lines[2].starts_with(&format!("{{\"seq\":{seq},")) && !lines[2].contains("#chain-break"), "{}", lines[2]);
+    h.abandon().await;
+}
+
+/// The Postgres sink keeps chain breaks in their own table, in the batch's transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
+    let pg = testkit::PgServer::start();
+    let dir = testkit::tmpdir("sink-pg-chain");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let sink = Postgres::connect(&pg.url()).await.expect("pg");
+    let mut evs = events(3);
+    let last = evs.pop().expect("three").with_chain_break(a_break());
+    let seq = i64::try_from(last.seq()).expect("seq");
+    evs.push(last);
+    sink.handle(&evs, &ctx).await.expect("written");
+    let db = sink.0.lock().await;
+    let rows: i64 = db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
+    assert_eq!(rows, 3, "every event, the one with the break included");
+    let b = db
+        .query_one("SELECT seq, did, last_rev, since, rev FROM firekeeper_chain_breaks", &[])
+        .await
+        .expect("one chain break");
+    assert_eq!(b.get::<_, i64>(0), seq);
+    let revs: (String, String, String, String) = (b.get(1), b.get(2), b.get(3), b.get(4));
+    assert_eq!(revs, ("did:plc:a".into(), "3jzfcijpj2z2c".into(), "3jzfcijpj2z2e".into(), "3jzfcijpj2z2g".into()));
+    lease.abandon().await;
+}
