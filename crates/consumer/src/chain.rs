@@ -304,5 +304,12 @@ mod tests {
             assert_eq!(c.commit("did:plc:hot", &rev, (i > 0).then_some(since.as_str())), None, "at {i}");
         }
         assert!(c.len() >= 500, "at least half the capacity stays: {}", c.len());
+        // A repo found in the older generation moves to the newer one: counted once.
+        let mut c = Chains::new(4);
+        for d in ["did:plc:a", "did:plc:b", "did:plc:c"] {
+            c.commit(d, "3jzfcijpj2z2a", None);
+        }
+        c.commit("did:plc:a", "3jzfcijpj2z2b", Some("3jzfcijpj2z2a"));
+        assert_eq!(c.len(), 3);
     }
 }

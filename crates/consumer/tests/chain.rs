@@ -29,6 +29,31 @@ impl Handler for Seen {
     }
 }
 
+/// A `#sync` in place of a repo's commit states the rev the next commit builds on: the
+/// chain goes on unbroken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_restarts_the_chain_at_its_rev() {
+    let frames = testkit::fixture_frames();
+    let all = commits(&frames);
+    let replaced = (0..all.len())
+        .find(|&i| all[..i].iter().any(|c| c.1 == all[i].1) && all[i + 1..].iter().any(|c| c.1 == all[i].1))
+        .expect("a repo with three commits");
+    let (seq, repo, rev, _) = &all[replaced];
+    let synced: Vec<bytes::Bytes> = frames
+        .iter()
+        .map(|f| {
+            if relay_sim::frame_seq(f) == Some(*seq) {
+                relay_sim::sync_frame(*seq, repo, rev, "2026-12-02T10:20:00.000Z")
+            } else {
+                f.clone()
+            }
+        })
+        .collect();
+    let seen = consume(synced, emitting(), "chain-sync").await;
+    assert!(seen.seqs.lock().expect("lock").contains(seq), "the #sync was handed over");
+    assert_eq!(seen.breaks.lock().expect("lock").len(), 0, "no break after the #sync");
+}
+
 /// The commits of the fixture: (seq, repo, rev, ops).
 fn commits(frames: &[bytes::Bytes]) -> Vec<(u64, String, String, usize)> {
     frames

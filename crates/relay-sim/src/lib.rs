@@ -173,6 +173,16 @@ pub fn error_frame(error: &str, message: &str) -> Bytes {
     Bytes::from(w.buf)
 }
 
+/// A `#sync` frame: `did` is at `rev` (with an empty CAR: firekeeper does not read it).
+#[must_use]
+pub fn sync_frame(seq: u64, did: &str, rev: &str, time: &str) -> Bytes {
+    let mut w = Writer::new();
+    w.map(2).str("t").str("#sync").str("op").int(1);
+    w.map(5).str("did").str(did).str("rev").str(rev).str("seq").int(i64::try_from(seq).unwrap_or(i64::MAX));
+    w.str("time").str(time).str("blocks").bytes(&[]);
+    Bytes::from(w.buf)
+}
+
 /// An `#info` frame.
 #[must_use]
 pub fn info_frame(name: &str, message: &str) -> Bytes {
