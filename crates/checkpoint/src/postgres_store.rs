@@ -13,8 +13,11 @@ use tokio_postgres::{Client, GenericClient, NoTls};
 
 use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
 
-/// The schema, from `migrations/`.
-pub const MIGRATION: &str = include_str!("../../../migrations/0001_cursors.sql");
+/// The schema, from `migrations/` (each step idempotent, applied in order on connect).
+pub const MIGRATION: &str = concat!(
+    include_str!("../../../migrations/0001_cursors.sql"),
+    include_str!("../../../migrations/0004_cursor_time.sql")
+);
 
 /// Cursors in Postgres.
 #[derive(Debug)]
@@ -104,14 +107,26 @@ impl PostgresStore {
 
     /// Commits `cursor` under `token` in its own transaction.
     pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
-        self.own_tx(fingerprint, cursor, token, false).await
+        self.own_tx(fingerprint, cursor, None, token, false).await
     }
 
-    /// [`Self::commit_in`] or [`Self::reset_in`] in a transaction of its own.
+    /// [`Self::commit_at_in`] in its own transaction.
+    pub async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.own_tx(fingerprint, cursor, time_ms, token, false).await
+    }
+
+    /// [`Self::commit_at_in`] or [`Self::reset_in`] in a transaction of its own.
     async fn own_tx(
         &self,
         fingerprint: &str,
         cursor: u64,
+        time_ms: Option<i64>,
         token: u64,
         reset: bool,
     ) -> Result<CommitOutcome, StoreError> {
@@ -121,7 +136,7 @@ impl PostgresStore {
             let out = if reset {
                 Self::reset_in(&tx, fingerprint, cursor, token).await?
             } else {
-                Self::commit_in(&tx, fingerprint, cursor, token).await?
+                Self::commit_at_in(&tx, fingerprint, cursor, time_ms, token).await?
             };
             tx.commit().await.map_err(|e| pg(&e))?;
             Ok(out)
@@ -137,7 +152,30 @@ impl PostgresStore {
         cursor: u64,
         token: u64,
     ) -> Result<CommitOutcome, StoreError> {
-        Self::upsert(tx, fingerprint, cursor, token, true).await
+        Self::upsert(tx, fingerprint, cursor, None, token, true).await
+    }
+
+    /// [`Self::commit_in`], also keeping the relay time (Unix ms) of the event at `cursor`
+    /// (`None` forgets an older one) and recording `fingerprint` as the relay the leader
+    /// is on — both only when the cursor is saved.
+    pub async fn commit_at_in(
+        tx: &impl GenericClient,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        token: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        let out = Self::upsert(tx, fingerprint, cursor, time_ms, token, true).await?;
+        if out == CommitOutcome::Saved {
+            tx.execute(
+                "INSERT INTO firekeeper_active_relay (id, relay, token) VALUES (true, $1, $2)
+                 ON CONFLICT (id) DO UPDATE SET relay = EXCLUDED.relay, token = EXCLUDED.token, updated_at = now()",
+                &[&fingerprint, &as_i64(token)],
+            )
+            .await
+            .map_err(|e| pg(&e))?;
+        }
+        Ok(out)
     }
 
     /// A fenced rewind under `token`: sets the cursor even if lower (an accepted
@@ -148,14 +186,16 @@ impl PostgresStore {
         cursor: u64,
         token: u64,
     ) -> Result<CommitOutcome, StoreError> {
-        Self::upsert(tx, fingerprint, cursor, token, false).await
+        Self::upsert(tx, fingerprint, cursor, None, token, false).await
     }
 
-    /// The fenced write behind both: `forward_only` keeps the larger cursor.
+    /// The fenced write behind all three: `forward_only` keeps the larger cursor; the
+    /// time is written with the cursor (NULL: unknown).
     async fn upsert(
         tx: &impl GenericClient,
         fingerprint: &str,
         cursor: u64,
+        time_ms: Option<i64>,
         token: u64,
         forward_only: bool,
     ) -> Result<CommitOutcome, StoreError> {
@@ -164,14 +204,17 @@ impl PostgresStore {
             return Ok(CommitOutcome::Fenced { current: Some(current) });
         }
         let sql = if forward_only {
-            "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
-             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()
+            "INSERT INTO firekeeper_cursors (relay, cursor, token, time_ms) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token,
+                 time_ms = EXCLUDED.time_ms, updated_at = now()
              WHERE firekeeper_cursors.cursor < EXCLUDED.cursor"
         } else {
-            "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, $3)
-             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token, updated_at = now()"
+            "INSERT INTO firekeeper_cursors (relay, cursor, token, time_ms) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token,
+                 time_ms = EXCLUDED.time_ms, updated_at = now()"
         };
-        let n = tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token)]).await.map_err(|e| pg(&e))?;
+        let n =
+            tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token), &time_ms]).await.map_err(|e| pg(&e))?;
         if n == 1 {
             return Ok(CommitOutcome::Saved);
         }
@@ -185,7 +228,31 @@ impl PostgresStore {
 
     /// A fenced rewind in its own transaction.
     pub async fn reset(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
-        self.own_tx(fingerprint, cursor, token, true).await
+        self.own_tx(fingerprint, cursor, None, token, true).await
+    }
+
+    /// The relay time kept with a relay's cursor (`None`: stored without one).
+    pub async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
+        let c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let row = c
+                .query_opt("SELECT time_ms FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
+                .await
+                .map_err(|e| pg(&e))?;
+            Ok(row.and_then(|r| r.get::<_, Option<i64>>(0)))
+        })
+        .await
+    }
+
+    /// The relay the last committing leader was on.
+    pub async fn active_relay(&self) -> Result<Option<String>, StoreError> {
+        let c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let row =
+                c.query_opt("SELECT relay FROM firekeeper_active_relay WHERE id", &[]).await.map_err(|e| pg(&e))?;
+            Ok(row.map(|r| r.get(0)))
+        })
+        .await
     }
 
     /// Operator override (`firekeeper cursor set`).
@@ -195,7 +262,7 @@ impl PostgresStore {
         within(self.op_timeout, async {
             c.execute(
                 "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, 0)
-                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, updated_at = now()",
+                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, time_ms = NULL, updated_at = now()",
                 &[&fingerprint, &as_i64(cursor)],
             )
             .await
@@ -249,6 +316,24 @@ impl crate::CursorStore for PostgresStore {
         fence: crate::Fence<'_>,
     ) -> Result<CommitOutcome, StoreError> {
         Self::reset(self, fingerprint, cursor, fence.token).await
+    }
+
+    async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        fence: crate::Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        Self::commit_at(self, fingerprint, cursor, time_ms, fence.token).await
+    }
+
+    async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
+        Self::read_time(self, fingerprint).await
+    }
+
+    async fn active_relay(&self) -> Result<Option<String>, StoreError> {
+        Self::active_relay(self).await
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {

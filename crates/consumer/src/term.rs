@@ -202,7 +202,9 @@ async fn commit(cx: &Ctx<'_>, term: &Term, p: &mut Pipeline, final_: bool) -> Re
         return Ok(());
     }
     if cx.handler.commits_cursor() {
-        // The handler committed it in the same transaction as its writes.
+        // The handler committed it in the same transaction as its writes (with the time
+        // of its batch's last event); the time is still needed here for relay switches.
+        p.times.take_until(c);
         p.committed = Some(c);
         cx.status.update(|s| s.committed = Some(c));
         return Ok(());

@@ -123,6 +123,18 @@ async fn replica(
     gap: GapPolicy,
     name: &str,
 ) -> Consumer {
+    replica_with(dir, primary, secondary, oracle.clone(), gap, name).await
+}
+
+/// [`replica`] with any handler.
+async fn replica_with(
+    dir: &std::path::Path,
+    primary: &RelaySim,
+    secondary: &RelaySim,
+    handler: Arc<dyn Handler>,
+    gap: GapPolicy,
+    name: &str,
+) -> Consumer {
     let lock = dir.join("lease.lock");
     let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
     let p = RelayUrl::parse(&primary.url()).expect("url");
@@ -149,7 +161,7 @@ async fn replica(
         .client(client())
         .lease(Arc::new(lease::LocalBackend::new(&lock)), lease)
         .store(store)
-        .shared_handler(oracle.clone())
+        .shared_handler(handler)
         .options(options)
         .instance_id(name)
         .build()
@@ -203,6 +215,59 @@ async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing
     on(&status, RelayRole::Secondary, "failover again").await;
     eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
     // Let anything duplicated after the last switch arrive before judging.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    assert!(oracle.taken_from_secondary() > 0, "the secondary served part of the stream");
+    oracle.assert_exactly_once(&want);
+}
+
+/// Commits the cursor itself, in the same step as its writes (as the Postgres sink does):
+/// the oracle's records, then a fenced `commit_at` with the time of the batch's last event.
+struct SelfCommitting {
+    oracle: Arc<Oracle>,
+    store: checkpoint::FileStore,
+}
+
+#[async_trait]
+impl Handler for SelfCommitting {
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let Some(last) = batch.last() else { return Ok(()) };
+        self.oracle.handle(batch, ctx).await?;
+        let time = last.time().and_then(relay_client::probe::time_ms);
+        let holder = ctx.term.holder();
+        let fence = checkpoint::Fence { holder: &holder, token: ctx.token };
+        match checkpoint::CursorStore::commit_at(&self.store, &ctx.fingerprint, last.seq(), time, fence).await {
+            Ok(checkpoint::CommitOutcome::Fenced { .. }) => Err(HandlerError::Fenced),
+            Ok(_) => Ok(()),
+            Err(e) => Err(HandlerError::Failed(e.to_string())),
+        }
+    }
+
+    fn commits_cursor(&self) -> bool {
+        true
+    }
+}
+
+/// A handler that commits its own cursor still switches by time: the consumer keeps the
+/// time at the cursor for the switch although it never commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_commits_its_own_cursor_switches_without_loss_or_duplicates() {
+    let want = keys(&testkit::fixture_frames());
+    let (primary, secondary) = relays(250, None).await;
+    let dir = testkit::tmpdir("switch-self");
+    let oracle = Arc::new(Oracle::default());
+    let store = checkpoint::FileStore::new(&dir.join("cursors"), &dir.join("lease.lock")).expect("store");
+    let handler = Arc::new(SelfCommitting { oracle: oracle.clone(), store });
+    let (status, stop, run) = spawn(replica_with(&dir, &primary, &secondary, handler, GapPolicy::Fail, "a").await);
+    on(&status, RelayRole::Primary, "leading on the primary").await;
+    delivered_at_least(&oracle, 300).await;
+    primary.handle().set_down(true);
+    on(&status, RelayRole::Secondary, "failover to the secondary").await;
+    delivered_at_least(&oracle, 650).await;
+    primary.handle().set_down(false);
+    on(&status, RelayRole::Primary, "failback to the primary").await;
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _ = stop.send(());
     run.await.expect("join").expect("clean stop");

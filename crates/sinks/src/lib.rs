@@ -182,8 +182,8 @@ impl Handler for Webhook {
     }
 }
 
-/// Rows in `firekeeper_events`, with the cursor committed in the same transaction and
-/// fenced by the token.
+/// Rows in `firekeeper_events`, with the cursor (and the relay time at it, and the relay
+/// the leader is on) committed in the same transaction and fenced by the token.
 pub struct Postgres(Mutex<tokio_postgres::Client>);
 
 impl Postgres {
@@ -277,7 +277,10 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
         .await
         .map_err(pg)?;
     }
-    match PostgresStore::commit_in(&tx, &ctx.fingerprint, last.seq(), ctx.token).await {
+    // The cursor carries the relay time of the event at it, as the consumer's own commits
+    // do, so a relay switch or a successor resumes by time.
+    let time = last.time().and_then(relay_client::probe::time_ms);
+    match PostgresStore::commit_at_in(&tx, &ctx.fingerprint, last.seq(), time, ctx.token).await {
         Ok(CommitOutcome::Fenced { .. }) => {
             let _ = tx.rollback().await;
             Err(HandlerError::Fenced)
