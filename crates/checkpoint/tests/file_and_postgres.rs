@@ -132,3 +132,45 @@ async fn file_commit_at_keeps_time_and_active_relay_fenced() {
     assert_eq!(s.reset(FP, 4, "x:3").await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read_time(FP).await, Ok(None));
 }
+
+/// As for Redis and files: time and active relay move only with a saved, fenced commit;
+/// a rewind or an operator's `cursor set` forgets the time; cursors stored by a version
+/// before the time column keep their seq.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_commit_at_keeps_time_and_active_relay_fenced_and_old_cursors_migrate() {
+    let pg = PgServer::start();
+    // A database as the previous version left it: cursors without a time column.
+    let (old, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("client");
+    tokio::spawn(conn);
+    old.batch_execute(include_str!("../../../migrations/0001_cursors.sql")).await.expect("old schema");
+    old.execute("INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, 42, 2)", &[&FP])
+        .await
+        .expect("old cursor");
+    let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect migrates");
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(42)), "the old cursor survives the migration");
+    assert_eq!(s.read_time(FP).await, Ok(None), "with no time");
+    assert_eq!(s.active_relay().await, Ok(None));
+    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit_at(FP, 50, Some(77), 3).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(Some(77)));
+    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
+    assert_eq!(s.commit_at(FP, 49, Some(99), 3).await, Ok(CommitOutcome::NotNewer { stored: 50 }));
+    assert_eq!(s.read_time(FP).await, Ok(Some(77)), "a refused commit leaves the time");
+    assert_eq!(s.claim(4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit_at("other", 11, Some(5), 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
+    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())), "a fenced commit moves nothing");
+    assert_eq!(s.read_time("other").await, Ok(None));
+    assert_eq!(s.commit_at("other", 11, Some(5), 4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.active_relay().await, Ok(Some("other".to_owned())), "the relay the leader is on");
+    assert_eq!(s.commit_at(FP, 60, None, 4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(None), "a commit without a time forgets the older one");
+    assert_eq!(s.commit_at(FP, 70, Some(80), 4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.reset(FP, 40, 4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await, Ok(None), "a rewind forgets the time");
+    assert_eq!(s.commit_at(FP, 45, Some(81), 4).await, Ok(CommitOutcome::Saved));
+    s.force(FP, 10).await.expect("force");
+    assert_eq!(s.read_time(FP).await, Ok(None), "cursor set forgets the time");
+    // Connecting again applies the migration again, harmlessly.
+    let s2 = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("again");
+    assert_eq!(s2.read(FP).await, Ok(ReadOutcome::Found(10)));
+}

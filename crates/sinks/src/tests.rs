@@ -176,7 +176,8 @@ async fn a_chain_break_is_written_as_its_own_line_before_the_commit() {
     h.abandon().await;
 }
 
-/// The Postgres sink keeps chain breaks in their own table, in the batch's transaction.
+/// The Postgres sink keeps chain breaks in their own table, in the batch's transaction,
+/// and commits the cursor with its time and the active relay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     let pg = testkit::PgServer::start();
@@ -198,5 +199,14 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     assert_eq!(b.get::<_, i64>(0), seq);
     let revs: (String, String, String, String) = (b.get(1), b.get(2), b.get(3), b.get(4));
     assert_eq!(revs, ("did:plc:a".into(), "3jzfcijpj2z2c".into(), "3jzfcijpj2z2e".into(), "3jzfcijpj2z2g".into()));
+    // The cursor carries the time of the batch's last event and the relay it came from.
+    let want_time = evs[2].time().and_then(relay_client::probe::time_ms);
+    assert!(want_time.is_some());
+    let c =
+        db.query_one("SELECT cursor, time_ms FROM firekeeper_cursors WHERE relay = 'fp'", &[]).await.expect("cursor");
+    assert_eq!((c.get::<_, i64>(0), c.get::<_, Option<i64>>(1)), (seq, want_time));
+    let active: String =
+        db.query_one("SELECT relay FROM firekeeper_active_relay", &[]).await.expect("active relay").get(0);
+    assert_eq!(active, "fp");
     lease.abandon().await;
 }
