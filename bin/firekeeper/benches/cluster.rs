@@ -69,7 +69,12 @@ async fn raw_ceiling() -> (u64, f64) {
 /// Steady-state frames/s through the binary: from the first commit to the last, so the
 /// figure is the pipeline's and not Redis's or the election's start-up.
 async fn throughput(bin: Option<PathBuf>, sink: &'static str) -> (u64, f64) {
-    let spec = Spec { replicas: 1, copies: COPIES, rate: None, sink, bin, ..Spec::default() };
+    throughput_with(bin, sink, Vec::new()).await
+}
+
+/// [`throughput`] with more environment.
+async fn throughput_with(bin: Option<PathBuf>, sink: &'static str, env: Vec<(&'static str, String)>) -> (u64, f64) {
+    let spec = Spec { replicas: 1, copies: COPIES, rate: None, sink, bin, extra_env: env, ..Spec::default() };
     let mut c = Cluster::start("bench-tput", spec).await;
     c.start_all();
     let (l, _) = c.wait_leader(None).await;
@@ -180,6 +185,7 @@ fn main() {
         // Alternated, so drift in the VM's speed hits every figure alike.
         let baseline = std::env::var_os("FIREKEEPER_BENCH_BASELINE").map(PathBuf::from);
         let (mut raw, mut null, mut jsonl, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut unchained = Vec::new();
         let mut n = 0;
         for _ in 0..RUNS {
             raw.push(raw_ceiling().await.1);
@@ -187,6 +193,7 @@ fn main() {
             n = total;
             null.push(fps);
             jsonl.push(throughput(None, "jsonl").await.1);
+            unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await.1);
             if let Some(b) = &baseline {
                 base.push(throughput(Some(b.clone()), "null").await.1);
             }
@@ -198,6 +205,11 @@ fn main() {
             runs(&null)
         );
         println!("ratio end-to-end / raw ceiling: {:.2}", f / r);
+        println!(
+            "end-to-end without the chain check (FIREKEEPER_CHAIN_BREAKS=off, null sink), {RUNS} runs: {} → median {:.0} frames/s",
+            runs(&unchained),
+            median(&mut unchained.clone())
+        );
         println!(
             "end-to-end with the jsonl sink (JSON rendered in the lanes, written to a file), {RUNS} runs: {} → median {:.0} frames/s",
             runs(&jsonl),
