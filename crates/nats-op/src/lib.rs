@@ -1,0 +1,310 @@
+//! NATS connections for firekeeper's lease, cursor store and sink: one place that knows
+//! the credentials (never logged), bounds every operation by a hard timeout, and names
+//! the server only by its redacted address.
+//!
+//! The client reconnects on its own; an operation that times out forces a reconnect, so
+//! a half-open connection (a peer that vanished without a reset) is replaced at the next
+//! call instead of after the client's ping timeout.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use async_nats;
+use async_nats::jetstream::{self, kv};
+use tokio::sync::Mutex;
+
+/// Why a NATS operation failed. Like the Redis errors, all but `Config` mean "outcome
+/// unknown": the caller retries or keeps leading until its deadline.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NatsError {
+    /// The operation did not finish in time; the connection is being replaced.
+    #[error("NATS {what} timed out after {after:?}")]
+    Timeout {
+        /// The operation.
+        what: &'static str,
+        /// The bound.
+        after: Duration,
+    },
+    /// The server could not be reached or refused the operation.
+    #[error("NATS {what} failed: {detail}")]
+    Unavailable {
+        /// The operation.
+        what: &'static str,
+        /// Why (never holds credentials).
+        detail: String,
+    },
+    /// The settings cannot work (a bad URL, an unreadable credentials file).
+    #[error("NATS settings: {0}")]
+    Config(String),
+}
+
+/// How to reach NATS.
+#[derive(Clone)]
+pub struct NatsConfig {
+    /// `nats://host:port` (credentials in the URL are accepted and never logged).
+    pub url: String,
+    /// A `.creds` file (JWT and NKey seed), if the server wants one.
+    pub creds_file: Option<PathBuf>,
+    /// A token, if the server wants one.
+    pub token: Option<String>,
+    /// Bound on every operation (and on connecting).
+    pub op_timeout: Duration,
+}
+
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &redact(&self.url))
+            .field("creds_file", &self.creds_file)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("op_timeout", &self.op_timeout)
+            .finish()
+    }
+}
+
+/// `host:port` of a NATS URL: what logs and errors may show (no user, password or
+/// token).
+#[must_use]
+pub fn redact(url: &str) -> String {
+    let with_scheme = if url.contains("://") { url.to_owned() } else { format!("nats://{url}") };
+    match url::Url::parse(&with_scheme) {
+        Ok(u) => format!("{}:{}", u.host_str().unwrap_or("?"), u.port().unwrap_or(4222)),
+        Err(_) => "<unparseable NATS URL>".to_owned(),
+    }
+}
+
+/// A connection with its op timeout.
+#[derive(Clone)]
+pub struct Nats {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    op_timeout: Duration,
+    addr: String,
+}
+
+impl std::fmt::Debug for Nats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nats").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl Nats {
+    /// Connects in the background: this returns at once, and operations fail with
+    /// `Timeout`/`Unavailable` until the server is reachable (so a replica can start while
+    /// NATS is down, as with Redis). Connection changes are logged with the address only.
+    pub async fn connect(cfg: &NatsConfig) -> Result<Self, NatsError> {
+        let addr = redact(&cfg.url);
+        let mut opts = async_nats::ConnectOptions::new()
+            .connection_timeout(cfg.op_timeout.max(Duration::from_millis(500)))
+            .request_timeout(Some(cfg.op_timeout))
+            .ping_interval(Duration::from_secs(2))
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .reconnect_delay_callback(|n| Duration::from_millis((50 * (1u64 << n.min(5))).min(1000)));
+        if let Some(t) = &cfg.token {
+            opts = opts.token(t.clone());
+        }
+        if let Some(path) = &cfg.creds_file {
+            opts = opts
+                .credentials_file(path)
+                .await
+                .map_err(|e| NatsError::Config(format!("NATS_CREDS {}: {e}", path.display())))?;
+        }
+        let logged = addr.clone();
+        opts = opts.event_callback(move |ev| {
+            let addr = logged.clone();
+            async move {
+                match ev {
+                    async_nats::Event::Connected => tracing::info!(nats = %addr, "NATS connected"),
+                    async_nats::Event::Disconnected => tracing::warn!(nats = %addr, "NATS disconnected"),
+                    other => tracing::debug!(nats = %addr, event = %other, "NATS event"),
+                }
+            }
+        });
+        let url = if cfg.url.contains("://") { cfg.url.clone() } else { format!("nats://{}", cfg.url) };
+        let client = opts
+            .connect(url.as_str())
+            .await
+            .map_err(|e| NatsError::Unavailable { what: "connect", detail: format!("{addr}: {}", e.kind()) })?;
+        let js = jetstream::new(client.clone());
+        Ok(Self { client, js, op_timeout: cfg.op_timeout, addr })
+    }
+
+    /// The redacted address.
+    #[must_use]
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The JetStream context.
+    #[must_use]
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// The core client.
+    #[must_use]
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// The op timeout.
+    #[must_use]
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
+    /// Runs `f` within the op timeout. A timeout forces a reconnect (the connection may
+    /// be half-open); an error becomes `Unavailable` naming `what`.
+    pub async fn bounded<T, E: Display>(
+        &self,
+        what: &'static str,
+        f: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, NatsError> {
+        self.bounded_for(what, self.op_timeout, f).await
+    }
+
+    /// [`Nats::bounded`] with its own bound.
+    pub async fn bounded_for<T, E: Display>(
+        &self,
+        what: &'static str,
+        after: Duration,
+        f: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, NatsError> {
+        match tokio::time::timeout(after, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(NatsError::Unavailable { what, detail: e.to_string() }),
+            Err(_) => {
+                let c = self.client.clone();
+                tokio::spawn(async move {
+                    let _ = c.force_reconnect().await;
+                });
+                Err(NatsError::Timeout { what, after })
+            }
+        }
+    }
+}
+
+/// A KV bucket created on first use (and again after it was lost), with fixed settings.
+#[derive(Clone)]
+pub struct Bucket {
+    nats: Nats,
+    config: kv::Config,
+    store: Arc<Mutex<Option<kv::Store>>>,
+}
+
+impl std::fmt::Debug for Bucket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bucket").field("bucket", &self.config.bucket).finish_non_exhaustive()
+    }
+}
+
+/// A bucket name from a key prefix: NATS allows `[A-Za-z0-9_-]`.
+#[must_use]
+pub fn bucket_name(prefix: &str, what: &str) -> String {
+    let clean: String =
+        prefix.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect();
+    format!("{clean}-{what}")
+}
+
+impl Bucket {
+    /// A bucket keeping one revision per key, file storage, entries expiring `max_age`
+    /// after their last write (`ZERO`: never).
+    #[must_use]
+    pub fn new(nats: Nats, name: String, max_age: Duration) -> Self {
+        let config = kv::Config {
+            bucket: name,
+            history: 1,
+            max_age,
+            storage: jetstream::stream::StorageType::File,
+            ..kv::Config::default()
+        };
+        Self { nats, config, store: Arc::new(Mutex::new(None)) }
+    }
+
+    /// The connection.
+    #[must_use]
+    pub fn nats(&self) -> &Nats {
+        &self.nats
+    }
+
+    /// The bucket's name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.config.bucket
+    }
+
+    /// The bucket handle, creating the bucket (or updating its settings) when needed.
+    pub async fn store(&self) -> Result<kv::Store, NatsError> {
+        let mut s = self.store.lock().await;
+        if let Some(st) = s.as_ref() {
+            return Ok(st.clone());
+        }
+        let js = self.nats.js.clone();
+        let st = self.nats.bounded("create bucket", js.create_or_update_key_value(self.config.clone())).await?;
+        *s = Some(st.clone());
+        Ok(st)
+    }
+
+    /// Forgets the handle after a failure, so the next call looks the bucket up again
+    /// (it may have been deleted, or the server restarted without its data).
+    pub async fn invalidate(&self) {
+        *self.store.lock().await = None;
+    }
+
+    /// Runs `f` on the bucket within one op timeout (lookup included); any failure
+    /// invalidates the handle.
+    pub async fn op<T, E: Display, F: Future<Output = Result<T, E>>>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(kv::Store) -> F,
+    ) -> Result<T, NatsError> {
+        let run = async {
+            let st = self.store().await?;
+            f(st).await.map_err(|e| NatsError::Unavailable { what, detail: e.to_string() })
+        };
+        let out = match tokio::time::timeout(self.nats.op_timeout, run).await {
+            Ok(r) => r,
+            Err(_) => {
+                let c = self.nats.client.clone();
+                tokio::spawn(async move {
+                    let _ = c.force_reconnect().await;
+                });
+                Err(NatsError::Timeout { what, after: self.nats.op_timeout })
+            }
+        };
+        if out.is_err() {
+            self.invalidate().await;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_shown_without_credentials() {
+        assert_eq!(redact("nats://user:secret@10.0.0.1:4333"), "10.0.0.1:4333");
+        assert_eq!(redact("nats://tok3n@nats.internal"), "nats.internal:4222");
+        assert_eq!(redact("127.0.0.1:4222"), "127.0.0.1:4222");
+        let cfg = NatsConfig {
+            url: "nats://u:hunter2@h:1".into(),
+            creds_file: None,
+            token: Some("t0ken".into()),
+            op_timeout: Duration::from_secs(1),
+        };
+        let shown = format!("{cfg:?}");
+        assert!(!shown.contains("hunter2") && !shown.contains("t0ken"), "{shown}");
+    }
+
+    #[test]
+    fn bucket_names_keep_to_what_nats_allows() {
+        assert_eq!(bucket_name("firekeeper", "lease"), "firekeeper-lease");
+        assert_eq!(bucket_name("fk:{prod}", "cursors"), "fk__prod_-cursors");
+    }
+}
