@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the integration tests start themselves (redis-server, the PostgreSQL
-# server binaries, libfaketime) when this machine lacks them. Tests never use a shared system
+# server binaries, nats-server, libfaketime) when this machine lacks them. Tests never use a shared system
 # instance: each starts its own server on a free loopback port.
 set -euo pipefail
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+# nats-server: the NATS lease, cursor store and JetStream sink tests run `nats-server -js`.
+command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || need+=(nats-server)
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 # libfaketime: the wall-clock-jump test fakes CLOCK_REALTIME of one process.
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || need+=(libfaketime)

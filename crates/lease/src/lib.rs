@@ -22,6 +22,7 @@ pub mod clock;
 pub mod config;
 pub mod local;
 pub mod metrics;
+pub mod nats_backend;
 pub mod redis_backend;
 pub mod supervisor;
 
@@ -29,5 +30,6 @@ pub use backend::{Acquire, Backend, BackendError, Renew, Snapshot};
 pub use clock::{BootClock, Clock, OffsetClock, TokioClock};
 pub use config::{ConfigError, LeaseConfig};
 pub use local::LocalBackend;
+pub use nats_backend::NatsBackend;
 pub use redis_backend::{Keys, RedisBackend};
 pub use supervisor::{LeaseEvent, LeaseHandle, LossReason, Status, StepDownError, Term, spawn, spawn_as};

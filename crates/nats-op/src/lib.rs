@@ -46,7 +46,7 @@ pub enum NatsError {
 pub struct NatsConfig {
     /// `nats://host:port` (credentials in the URL are accepted and never logged).
     pub url: String,
-    /// A `.creds` file (JWT and NKey seed), if the server wants one.
+    /// A `.creds` file (a JWT and an `NKey` seed), if the server wants one.
     pub creds_file: Option<PathBuf>,
     /// A token, if the server wants one.
     pub token: Option<String>,
@@ -237,14 +237,37 @@ impl Bucket {
         &self.config.bucket
     }
 
-    /// The bucket handle, creating the bucket (or updating its settings) when needed.
+    /// The bucket handle, creating the bucket (or updating its age limit) when needed.
+    ///
+    /// The bucket's stream is created directly, with the KV conventions (`KV_<bucket>`,
+    /// subjects `$KV.<bucket>.>`, rollups, direct get), instead of through the client's
+    /// KV creation, which reads the account's info and fails on servers before 2.10
+    /// (Debian's 2.9 lacks fields the client requires there).
     pub async fn store(&self) -> Result<kv::Store, NatsError> {
         let mut s = self.store.lock().await;
         if let Some(st) = s.as_ref() {
             return Ok(st.clone());
         }
         let js = self.nats.js.clone();
-        let st = self.nats.bounded("create bucket", js.create_or_update_key_value(self.config.clone())).await?;
+        let cfg = jetstream::stream::Config {
+            name: format!("KV_{}", self.config.bucket),
+            subjects: vec![format!("$KV.{}.>", self.config.bucket)],
+            max_messages_per_subject: self.config.history,
+            max_age: self.config.max_age,
+            storage: self.config.storage,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: jetstream::stream::DiscardPolicy::New,
+            num_replicas: 1,
+            ..jetstream::stream::Config::default()
+        };
+        let stream = self.nats.bounded("create bucket", js.get_or_create_stream(cfg.clone())).await?;
+        if stream.cached_info().config.max_age != cfg.max_age {
+            tracing::info!(bucket = %self.config.bucket, max_age = ?cfg.max_age, "updating the bucket's age limit");
+            self.nats.bounded("update bucket", js.update_stream(cfg)).await?;
+        }
+        let st = self.nats.bounded("open bucket", js.get_key_value(self.config.bucket.clone())).await?;
         *s = Some(st.clone());
         Ok(st)
     }
@@ -266,15 +289,15 @@ impl Bucket {
             let st = self.store().await?;
             f(st).await.map_err(|e| NatsError::Unavailable { what, detail: e.to_string() })
         };
-        let out = match tokio::time::timeout(self.nats.op_timeout, run).await {
-            Ok(r) => r,
-            Err(_) => {
-                let c = self.nats.client.clone();
-                tokio::spawn(async move {
-                    let _ = c.force_reconnect().await;
-                });
-                Err(NatsError::Timeout { what, after: self.nats.op_timeout })
-            }
+        // Boxed: the client's futures are large, and every caller would carry them.
+        let out = if let Ok(r) = tokio::time::timeout(self.nats.op_timeout, Box::pin(run)).await {
+            r
+        } else {
+            let c = self.nats.client.clone();
+            tokio::spawn(async move {
+                let _ = c.force_reconnect().await;
+            });
+            Err(NatsError::Timeout { what, after: self.nats.op_timeout })
         };
         if out.is_err() {
             self.invalidate().await;

@@ -225,6 +225,127 @@ impl Drop for RedisServer {
     }
 }
 
+/// A `nats-server -js` child process owned by one test, with its JetStream data in its
+/// own directory (kept across [`NatsServer::restart`], gone with [`NatsServer::wipe`]).
+pub struct NatsServer {
+    port: u16,
+    dir: std::path::PathBuf,
+    child: Option<Child>,
+}
+
+fn nats_bin() -> std::path::PathBuf {
+    ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists())
+        .unwrap_or_else(|| "nats-server".into())
+}
+
+impl NatsServer {
+    /// Starts a fresh server with JetStream on a free port and waits until it answers.
+    #[must_use]
+    pub fn start() -> Self {
+        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: None };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(nats_bin())
+            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server (scripts/ensure-deps.sh installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.answers() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("nats-server on port {} did not start", self.port);
+    }
+
+    /// True when the server sends its `INFO` line and JetStream is enabled.
+    fn answers(&self) -> bool {
+        use std::io::Read as _;
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else { return false };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).unwrap_or(0);
+        let info = String::from_utf8_lossy(&buf[..n]);
+        info.starts_with("INFO") && info.contains("\"jetstream\":true")
+    }
+
+    /// The port.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The socket address.
+    #[must_use]
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(c) = &self.child {
+            let ok = Command::new("kill").args([sig, &c.id().to_string()]).status().is_ok_and(|s| s.success());
+            assert!(ok, "kill {sig} nats-server");
+        }
+    }
+
+    /// SIGSTOP: the server keeps its sockets but answers nothing.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`NatsServer::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// SIGKILL and reap (the JetStream data stays on disk).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port with the same data.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Starts again on the same port with no data: every bucket and stream is gone.
+    pub fn wipe(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::create_dir_all(&self.dir);
+        self.spawn();
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.resume();
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// How a [`TcpProxy`] treats the bytes of open connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u64)]
