@@ -7,6 +7,7 @@
 //! - [`redis_store`]: one Lua script per commit that checks the lease token.
 //! - [`file_store`]: the embedded default (temp file, fsync, rename, fsync dir), fenced by
 //!   the local lease file.
+//! - [`nats_store`]: NATS JetStream KV, fenced by token with compare-and-set per key.
 //! - [`postgres_store`]: a table from `migrations/`, usable inside a caller's transaction.
 //! - [`watermark`]: the highest seq at or below which every delivered event is done.
 //!
@@ -15,6 +16,7 @@
 
 pub mod cursor;
 pub mod file_store;
+pub mod nats_store;
 pub mod postgres_store;
 pub mod redis_store;
 pub mod store;
@@ -22,6 +24,7 @@ pub mod watermark;
 
 pub use cursor::{CommitOutcome, MAX_SEQ, ReadOutcome, StoreError};
 pub use file_store::FileStore;
+pub use nats_store::NatsStore;
 pub use postgres_store::PostgresStore;
 pub use redis_store::{RedisKeys, RedisStore};
 pub use store::{CursorStore, Fence, OnCommit, RelayKey};
