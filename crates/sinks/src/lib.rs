@@ -12,6 +12,9 @@ use consumer::{BatchCtx, Event, Handler, HandlerError};
 use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::sync::Mutex;
 
+pub mod jetstream;
+pub use jetstream::{JetStream, JetStreamConfig};
+
 /// The schema of the Postgres sink's events table.
 pub const EVENTS_MIGRATION: &str = include_str!("../../../migrations/0002_events.sql");
 

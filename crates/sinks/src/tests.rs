@@ -210,3 +210,96 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     assert_eq!(active, "fp");
     lease.abandon().await;
 }
+
+async fn js_sink(url: &str, partitions: u32) -> (nats_op::Nats, JetStream) {
+    let nats = nats_op::Nats::connect(&nats_op::NatsConfig {
+        url: url.to_owned(),
+        creds_file: None,
+        token: None,
+        op_timeout: Duration::from_secs(2),
+    })
+    .await
+    .expect("connect");
+    let sink =
+        JetStream::open(&nats, JetStreamConfig { partitions, ..JetStreamConfig::default() }).await.expect("open");
+    (nats, sink)
+}
+
+/// Every message of the stream: (subject, Nats-Msg-Id, body).
+async fn stream_messages(nats: &nats_op::Nats) -> Vec<(String, String, String)> {
+    let stream = nats.jetstream().get_stream("FIREKEEPER").await.expect("stream");
+    let last = stream.get_info().await.expect("info").state.last_sequence;
+    let mut out = Vec::new();
+    for seq in 1..=last {
+        let m = stream.get_raw_message(seq).await.expect("message");
+        let id = m.headers.get("Nats-Msg-Id").map(|v| v.as_str().to_owned()).unwrap_or_default();
+        out.push((m.subject.to_string(), id, String::from_utf8_lossy(&m.payload).into_owned()));
+    }
+    out
+}
+
+/// A batch lands once per event, by collection; the same batch handed over again (a new
+/// leader replaying after the last commit) adds nothing: the server drops it by id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_publishes_each_event_once_and_a_replay_is_deduplicated() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let (nats, sink) = js_sink(&server.url(), 0).await;
+    let mut evs = events(40);
+    let last = evs.pop().expect("40").with_chain_break(a_break());
+    evs.push(last);
+    sink.handle(&evs, &ctx).await.expect("published");
+    sink.handle(&evs[10..], &ctx).await.expect("replayed");
+    let got = stream_messages(&nats).await;
+    assert_eq!(got.len(), evs.len() + 1, "every event once, and the chain break");
+    for (e, (subject, id, body)) in evs.iter().zip(got.iter().filter(|m| !m.0.ends_with("chain-break"))) {
+        assert_eq!(id, &format!("fp:{}", e.seq()));
+        let mut want = String::new();
+        e.render_json(&mut want);
+        assert_eq!(body, &want);
+        match e.message() {
+            relay_client::Message::Commit(c) if !c.ops.is_empty() => {
+                assert_eq!(subject, &format!("firekeeper.events.{}", c.ops[0].collection()));
+            }
+            m => assert_eq!(subject, &format!("firekeeper.events.{}", m.kind().as_str().trim_start_matches('#'))),
+        }
+    }
+    let cb = got.iter().find(|m| m.0 == "firekeeper.events.chain-break").expect("the chain break");
+    assert!(cb.2.contains("\"type\":\"#chain-break\"") && cb.1.ends_with(":chain-break"), "{cb:?}");
+    lease.abandon().await;
+}
+
+/// With partitions, every repo's events share one partition subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_partitions_keep_each_repo_in_one_subject() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js-p");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let (nats, sink) = js_sink(&server.url(), 4).await;
+    let evs = events(200);
+    sink.handle(&evs, &ctx).await.expect("published");
+    let got = stream_messages(&nats).await;
+    assert_eq!(got.len(), evs.len());
+    let mut by_repo: std::collections::HashMap<&str, std::collections::BTreeSet<&str>> = Default::default();
+    for (e, (subject, ..)) in evs.iter().zip(&got) {
+        assert!(subject.starts_with("firekeeper.events.p"), "{subject}");
+        by_repo.entry(e.did().unwrap_or("")).or_default().insert(subject);
+    }
+    assert!(by_repo.values().all(|s| s.len() == 1), "{by_repo:?}");
+    lease.abandon().await;
+}
+
+/// Past the term's deadline nothing is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_publishes_nothing_after_the_deadline() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js-d");
+    let clock = Arc::new(OffsetClock::default());
+    let (lease, ctx) = term_with(clock.clone(), &dir).await;
+    let (nats, sink) = js_sink(&server.url(), 0).await;
+    clock.advance(Duration::from_hours(1));
+    assert!(matches!(sink.handle(&events(5), &ctx).await, Err(HandlerError::Cancelled)));
+    assert!(stream_messages(&nats).await.is_empty());
+    lease.abandon().await;
+}

@@ -1,0 +1,217 @@
+//! The JetStream sink: every event published to a stream, exactly once across leader
+//! failover.
+//!
+//! Each message carries `Nats-Msg-Id: <relay fingerprint>:<seq>`, so a new leader that
+//! hands the same events over again (everything after the last committed cursor) is
+//! de-duplicated by the server within the stream's duplicate window; a batch counts as
+//! written only when every publish was acknowledged, so the cursor never passes an event
+//! the stream does not hold.
+//!
+//! Subjects, under `<prefix>.events.`:
+//! - by default, per collection for commits (`app.bsky.feed.post`, taken from the first
+//!   op), and per type otherwise (`commit` for a commit without ops, `identity`,
+//!   `account`, `sync`, `chain-break`);
+//! - with `partitions = N > 0`, `p<i>` where `i` is a hash of the repo's DID modulo N, so
+//!   consumer groups can split the work with every repo's events in one partition, in order.
+//!
+//! The body is the event in the atproto JSON data model; headers `Firekeeper-Seq`,
+//! `Firekeeper-Relay` (`primary`/`secondary`) and `Firekeeper-Token` (the term's fencing
+//! token) say where it came from.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use consumer::{BatchCtx, Event, Handler, HandlerError};
+use nats_op::async_nats::jetstream::{self, stream};
+use nats_op::async_nats::{HeaderMap, header};
+use nats_op::{Nats, NatsError};
+use relay_client::Message;
+
+/// Where and how the sink publishes.
+#[derive(Debug, Clone)]
+pub struct JetStreamConfig {
+    /// The stream's name (created if missing).
+    pub stream: String,
+    /// Subjects are `<prefix>.events.…`.
+    pub subject_prefix: String,
+    /// DID-hash partitions; 0 = subjects by collection and type.
+    pub partitions: u32,
+    /// How long the stream keeps messages (0 = forever).
+    pub max_age: Duration,
+    /// How long the server remembers message ids to drop duplicates: a new leader must
+    /// republish within it (a failover takes about a lease ttl).
+    pub duplicate_window: Duration,
+    /// Bound on publishing one batch, acknowledgements included.
+    pub publish_timeout: Duration,
+}
+
+impl Default for JetStreamConfig {
+    fn default() -> Self {
+        Self {
+            stream: "FIREKEEPER".into(),
+            subject_prefix: "firekeeper".into(),
+            partitions: 0,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            publish_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Publishes every event to a JetStream stream.
+pub struct JetStream {
+    nats: Nats,
+    cfg: JetStreamConfig,
+}
+
+/// True for a subject token made of what NSIDs allow (so a record path can never
+/// smuggle a wildcard, a space or an empty token into a subject).
+fn subject_safe(s: &str) -> bool {
+    !s.is_empty()
+        && s.split('.').all(|t| !t.is_empty())
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+}
+
+/// FNV-1a of the DID: stable across versions and processes (the partition of a repo
+/// must never move).
+fn did_hash(did: &str) -> u64 {
+    did.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+impl JetStream {
+    /// Creates the stream if it is missing (subjects `<prefix>.events.>`, file storage,
+    /// limits retention) and returns the sink.
+    pub async fn open(nats: &Nats, cfg: JetStreamConfig) -> Result<Self, NatsError> {
+        let window = if cfg.max_age.is_zero() { cfg.duplicate_window } else { cfg.duplicate_window.min(cfg.max_age) };
+        let config = stream::Config {
+            name: cfg.stream.clone(),
+            subjects: vec![format!("{}.events.>", cfg.subject_prefix)],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            max_age: cfg.max_age,
+            duplicate_window: window,
+            ..stream::Config::default()
+        };
+        let js = nats.jetstream().clone();
+        let s = nats.bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(config)).await?;
+        let info = s.cached_info();
+        if info.config.duplicate_window < window {
+            tracing::warn!(
+                stream = %cfg.stream,
+                configured = ?info.config.duplicate_window,
+                "the existing stream's duplicate window is shorter than FIREKEEPER_NATS_DUPLICATE_WINDOW_MS: events republished after a slower failover may be stored twice"
+            );
+        }
+        Ok(Self { nats: nats.clone(), cfg })
+    }
+
+    /// The subject of an event.
+    #[must_use]
+    pub fn subject(&self, e: &Event) -> String {
+        let base = format!("{}.events.", self.cfg.subject_prefix);
+        if self.cfg.partitions > 0 {
+            let p = e.did().map_or(0, |d| did_hash(d) % u64::from(self.cfg.partitions));
+            return format!("{base}p{p}");
+        }
+        let tail = match e.message() {
+            Message::Commit(c) => {
+                c.ops.first().map(|op| op.collection()).filter(|c| subject_safe(c)).unwrap_or("commit")
+            }
+            m => m.kind().as_str().trim_start_matches('#'),
+        };
+        format!("{base}{tail}")
+    }
+
+    fn chain_break_subject(&self, e: &Event) -> String {
+        if self.cfg.partitions > 0 {
+            self.subject(e)
+        } else {
+            format!("{}.events.chain-break", self.cfg.subject_prefix)
+        }
+    }
+
+    fn headers(id: &str, e: &Event, ctx: &BatchCtx) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::NATS_MESSAGE_ID, id);
+        h.insert("Firekeeper-Seq", e.seq().to_string().as_str());
+        h.insert("Firekeeper-Relay", ctx.relay.as_str());
+        h.insert("Firekeeper-Token", ctx.token.to_string().as_str());
+        h
+    }
+
+    async fn publish(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let js: &jetstream::Context = self.nats.jetstream();
+        let failed = |what: &str, err: &dyn std::fmt::Display| HandlerError::Failed(format!("jetstream {what}: {err}"));
+        let mut acks = Vec::with_capacity(batch.len());
+        for e in batch {
+            // Right before each publish: a publish may have waited (backpressure) past
+            // the term's deadline.
+            ctx.ensure_active()?;
+            if let Some(b) = e.chain_break() {
+                let mut body = String::new();
+                b.write_json(e.seq(), &mut body);
+                let id = format!("{}:{}:chain-break", ctx.fingerprint, e.seq());
+                let ack = js
+                    .publish_with_headers(self.chain_break_subject(e), Self::headers(&id, e, ctx), body.into())
+                    .await
+                    .map_err(|err| failed("publish", &err))?;
+                acks.push(ack);
+            }
+            let body = match e.json() {
+                Some(j) => j.to_owned(),
+                None => {
+                    let mut s = String::new();
+                    e.render_json(&mut s);
+                    s
+                }
+            };
+            let id = format!("{}:{}", ctx.fingerprint, e.seq());
+            let ack = js
+                .publish_with_headers(self.subject(e), Self::headers(&id, e, ctx), body.into())
+                .await
+                .map_err(|err| failed("publish", &err))?;
+            acks.push(ack);
+        }
+        for a in acks {
+            a.await.map_err(|err| failed("acknowledgement", &err))?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Handler for JetStream {
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        match tokio::time::timeout(self.cfg.publish_timeout, self.publish(batch, ctx)).await {
+            Ok(r) => r,
+            Err(_) => Err(HandlerError::Failed(format!(
+                "jetstream: batch of {} not acknowledged within {:?}",
+                batch.len(),
+                self.cfg.publish_timeout
+            ))),
+        }
+    }
+
+    fn wants_json(&self) -> bool {
+        true
+    }
+
+    fn max_batch(&self) -> usize {
+        256
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_nsid_characters_make_a_subject_token() {
+        for ok in ["app.bsky.feed.post", "com.example.x-y"] {
+            assert!(subject_safe(ok), "{ok}");
+        }
+        for bad in ["", "app..post", "app.*", "app.>", "a b", ".app", "app.", "app/x"] {
+            assert!(!subject_safe(bad), "{bad}");
+        }
+    }
+}
