@@ -51,8 +51,8 @@ impl Default for JetStreamConfig {
             stream: "FIREKEEPER".into(),
             subject_prefix: "firekeeper".into(),
             partitions: 0,
-            max_age: Duration::from_secs(7 * 24 * 3600),
-            duplicate_window: Duration::from_secs(120),
+            max_age: Duration::from_hours(7 * 24),
+            duplicate_window: Duration::from_mins(2),
             publish_timeout: Duration::from_secs(5),
         }
     }
@@ -115,7 +115,7 @@ impl JetStream {
         }
         let tail = match e.message() {
             Message::Commit(c) => {
-                c.ops.first().map(|op| op.collection()).filter(|c| subject_safe(c)).unwrap_or("commit")
+                c.ops.first().map(relay_client::frame::RepoOp::collection).filter(|c| subject_safe(c)).unwrap_or("commit")
             }
             m => m.kind().as_str().trim_start_matches('#'),
         };
