@@ -114,9 +114,12 @@ impl JetStream {
             return format!("{base}p{p}");
         }
         let tail = match e.message() {
-            Message::Commit(c) => {
-                c.ops.first().map(relay_client::frame::RepoOp::collection).filter(|c| subject_safe(c)).unwrap_or("commit")
-            }
+            Message::Commit(c) => c
+                .ops
+                .first()
+                .map(relay_client::frame::RepoOp::collection)
+                .filter(|c| subject_safe(c))
+                .unwrap_or("commit"),
             m => m.kind().as_str().trim_start_matches('#'),
         };
         format!("{base}{tail}")
@@ -157,13 +160,12 @@ impl JetStream {
                     .map_err(|err| failed("publish", &err))?;
                 acks.push(ack);
             }
-            let body = match e.json() {
-                Some(j) => j.to_owned(),
-                None => {
-                    let mut s = String::new();
-                    e.render_json(&mut s);
-                    s
-                }
+            let body = if let Some(j) = e.json() {
+                j.to_owned()
+            } else {
+                let mut s = String::new();
+                e.render_json(&mut s);
+                s
             };
             let id = format!("{}:{}", ctx.fingerprint, e.seq());
             let ack = js

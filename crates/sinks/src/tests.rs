@@ -281,7 +281,8 @@ async fn jetstream_partitions_keep_each_repo_in_one_subject() {
     sink.handle(&evs, &ctx).await.expect("published");
     let got = stream_messages(&nats).await;
     assert_eq!(got.len(), evs.len());
-    let mut by_repo: std::collections::HashMap<&str, std::collections::BTreeSet<&str>> = Default::default();
+    let mut by_repo: std::collections::HashMap<&str, std::collections::BTreeSet<&str>> =
+        std::collections::HashMap::default();
     for (e, (subject, ..)) in evs.iter().zip(&got) {
         assert!(subject.starts_with("firekeeper.events.p"), "{subject}");
         by_repo.entry(e.did().unwrap_or("")).or_default().insert(subject);
