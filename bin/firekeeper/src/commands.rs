@@ -42,7 +42,7 @@ pub async fn cursor_set(cfg: &Config, r: Relay, seq: u64) -> Result<()> {
 
 /// Prints the lease state.
 pub async fn lease_show(cfg: &Config) -> Result<()> {
-    let snap = LeaseBackend::new(cfg)?.snapshot().await?;
+    let snap = LeaseBackend::new(cfg).await?.snapshot().await?;
     println!(
         "holder {} fence {} fence-seen {} ttl {}",
         snap.holder.as_deref().unwrap_or("none"),

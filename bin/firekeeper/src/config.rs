@@ -10,16 +10,31 @@ use std::time::Duration;
 
 use consumer::{ChainBreaks, CollectionFilter, GapPolicy, Options};
 use lease::LeaseConfig;
+use nats_op::NatsConfig;
 use relay_client::client::{BadFramePolicy, FutureCursorPolicy};
 use relay_client::{ClientConfig, RelayUrl};
+use sinks::JetStreamConfig;
 
 use crate::settings::{Kind, SETTINGS, setting};
+
+/// Where the leader lease lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseKind {
+    /// Redis (default with `REDIS_URL`).
+    Redis,
+    /// A NATS JetStream KV bucket (default with `NATS_URL` and no `REDIS_URL`).
+    Nats,
+    /// A lock file in the data directory (one machine).
+    Local,
+}
 
 /// Where cursors are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreKind {
     /// Redis, fenced by the Redis lease (default with `REDIS_URL`).
     Redis,
+    /// NATS KV, fenced by token with compare-and-set (default with the NATS lease).
+    Nats,
     /// Files in the data directory, fenced by the local lease file (default without).
     File,
     /// Postgres (`DATABASE_URL`), fenced by the highest token presented.
@@ -42,6 +57,8 @@ pub enum SinkKind {
         /// Per-request timeout.
         timeout: Duration,
     },
+    /// A JetStream stream.
+    Nats(JetStreamConfig),
     /// Discard (benchmarks).
     Null,
 }
@@ -55,6 +72,10 @@ pub struct Config {
     pub relay_secondary: Option<RelayUrl>,
     /// `REDIS_URL`: enables the Redis lease.
     pub redis_url: Option<String>,
+    /// `NATS_URL` and its credentials.
+    pub nats: Option<NatsConfig>,
+    /// The lease backend.
+    pub lease_backend: LeaseKind,
     /// `DATABASE_URL`.
     pub database_url: Option<String>,
     /// Cursor store.
@@ -188,22 +209,58 @@ impl Vars {
         self.errors.extend(unknown);
     }
 
-    fn store(&mut self, redis: bool) -> StoreKind {
-        let store = if !self.is_set("FIREKEEPER_CURSOR_STORE") && redis {
-            StoreKind::Redis
+    fn lease_backend(&mut self, redis: bool, nats: bool) -> LeaseKind {
+        let kind = if self.is_set("FIREKEEPER_LEASE_BACKEND") {
+            match self.choice("FIREKEEPER_LEASE_BACKEND") {
+                "redis" => LeaseKind::Redis,
+                "nats" => LeaseKind::Nats,
+                _ => LeaseKind::Local,
+            }
+        } else if redis {
+            LeaseKind::Redis
+        } else if nats {
+            LeaseKind::Nats
         } else {
+            LeaseKind::Local
+        };
+        if kind == LeaseKind::Redis && !redis {
+            self.errors.push("FIREKEEPER_LEASE_BACKEND=redis needs REDIS_URL".into());
+        }
+        if kind == LeaseKind::Nats && !nats {
+            self.errors.push("FIREKEEPER_LEASE_BACKEND=nats needs NATS_URL".into());
+        }
+        kind
+    }
+
+    fn store(&mut self, lease: LeaseKind, redis: bool, nats: bool) -> StoreKind {
+        let store = if self.is_set("FIREKEEPER_CURSOR_STORE") {
             match self.choice("FIREKEEPER_CURSOR_STORE") {
                 "redis" => StoreKind::Redis,
+                "nats" => StoreKind::Nats,
                 "postgres" => StoreKind::Postgres,
                 _ => StoreKind::File,
+            }
+        } else {
+            match lease {
+                LeaseKind::Redis => StoreKind::Redis,
+                LeaseKind::Nats => StoreKind::Nats,
+                LeaseKind::Local => StoreKind::File,
             }
         };
         if store == StoreKind::Redis && !redis {
             self.errors.push("FIREKEEPER_CURSOR_STORE=redis needs REDIS_URL".into());
         }
-        if store == StoreKind::File && redis {
+        if store == StoreKind::Redis && redis && lease != LeaseKind::Redis {
             self.errors.push(
-                "FIREKEEPER_CURSOR_STORE=file cannot be fenced by the Redis lease; use redis or postgres with REDIS_URL"
+                "FIREKEEPER_CURSOR_STORE=redis is fenced by the Redis lease: set FIREKEEPER_LEASE_BACKEND=redis".into(),
+            );
+        }
+        if store == StoreKind::Nats && !nats {
+            self.errors.push("FIREKEEPER_CURSOR_STORE=nats needs NATS_URL".into());
+        }
+        if store == StoreKind::File && lease != LeaseKind::Local {
+            self.errors.push(
+                "FIREKEEPER_CURSOR_STORE=file is fenced by the local lease file only; use redis, nats or postgres with a shared lease"
                     .into(),
             );
         }
@@ -232,12 +289,65 @@ impl Vars {
                     }
                 }
             }
+            "nats" => SinkKind::Nats(JetStreamConfig {
+                stream: self.text("FIREKEEPER_NATS_STREAM").unwrap_or_default(),
+                subject_prefix: self.text("FIREKEEPER_NATS_SUBJECT_PREFIX").unwrap_or_default(),
+                partitions: if self.is_set("FIREKEEPER_NATS_PARTITIONS") {
+                    u32::try_from(self.count("FIREKEEPER_NATS_PARTITIONS")).unwrap_or(1)
+                } else {
+                    0
+                },
+                max_age: self.ms("FIREKEEPER_NATS_MAX_AGE_MS"),
+                duplicate_window: self.ms("FIREKEEPER_NATS_DUPLICATE_WINDOW_MS"),
+                ..JetStreamConfig::default()
+            }),
             _ => SinkKind::Jsonl(self.text("FIREKEEPER_JSONL_PATH").unwrap_or_else(|| "-".into())),
         }
     }
 
+    /// `NATS_URL` with its credentials; `None` when unset.
+    fn nats(&mut self, op_timeout: Duration) -> Option<NatsConfig> {
+        let url = self.text("NATS_URL")?;
+        let with_scheme = if url.contains("://") { url.clone() } else { format!("nats://{url}") };
+        match url::Url::parse(&with_scheme) {
+            Ok(u) if matches!(u.scheme(), "nats" | "tls") && u.host_str().is_some() => {}
+            // Not echoed: it may carry credentials.
+            _ => self.errors.push("NATS_URL is not a nats:// or tls:// URL with a host".into()),
+        }
+        let creds_file = self.text("NATS_CREDS").map(PathBuf::from);
+        if let Some(p) = &creds_file
+            && !p.is_file()
+        {
+            self.errors.push(format!("NATS_CREDS {} is not a readable file", p.display()));
+        }
+        Some(NatsConfig { url, creds_file, token: self.text("NATS_TOKEN"), op_timeout })
+    }
+
+    fn check_stream_names(&mut self, sink: &SinkKind) {
+        let SinkKind::Nats(js) = sink else { return };
+        if js.stream.is_empty() || !js.stream.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+            self.errors.push("FIREKEEPER_NATS_STREAM must be letters, digits, `_` or `-`".into());
+        }
+        let p = &js.subject_prefix;
+        if p.is_empty()
+            || p.split('.').any(str::is_empty)
+            || !p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        {
+            self.errors.push(
+                "FIREKEEPER_NATS_SUBJECT_PREFIX must be subject tokens (letters, digits, `_`, `-`) joined by `.`"
+                    .into(),
+            );
+        }
+        if js.duplicate_window > js.max_age {
+            self.errors.push("FIREKEEPER_NATS_DUPLICATE_WINDOW_MS must not exceed FIREKEEPER_NATS_MAX_AGE_MS".into());
+        }
+    }
+
     /// Sink, cursor store and lease must fit together.
-    fn check_pairing(&mut self, store: StoreKind, sink: &SinkKind, redis: bool, database: bool) {
+    fn check_pairing(&mut self, store: StoreKind, sink: &SinkKind, lease: LeaseKind, database: bool, nats: bool) {
+        if matches!(sink, SinkKind::Nats(_)) && !nats {
+            self.errors.push("FIREKEEPER_SINK=nats needs NATS_URL".into());
+        }
         if (*sink == SinkKind::Postgres || store == StoreKind::Postgres) && !database {
             self.errors.push("the postgres sink and cursor store need DATABASE_URL".into());
         }
@@ -247,9 +357,10 @@ impl Vars {
                     .into(),
             );
         }
-        if store == StoreKind::Postgres && *sink != SinkKind::Postgres && !redis {
+        if store == StoreKind::Postgres && *sink != SinkKind::Postgres && lease == LeaseKind::Local {
             self.errors.push(
-                "FIREKEEPER_CURSOR_STORE=postgres needs REDIS_URL for the lease (or use the postgres sink)".into(),
+                "FIREKEEPER_CURSOR_STORE=postgres needs a shared lease (REDIS_URL or NATS_URL), or the postgres sink"
+                    .into(),
             );
         }
     }
@@ -379,10 +490,13 @@ impl Config {
         {
             v.errors.push("FIREKEEPER_RELAY_SECONDARY is the same relay as FIREKEEPER_RELAY".into());
         }
-        let store = v.store(redis_url.is_some());
-        let sink = v.sink();
-        v.check_pairing(store, &sink, redis_url.is_some(), database_url.is_some());
         let lease = v.lease();
+        let nats = v.nats(lease.op_timeout);
+        let lease_backend = v.lease_backend(redis_url.is_some(), nats.is_some());
+        let store = v.store(lease_backend, redis_url.is_some(), nats.is_some());
+        let sink = v.sink();
+        v.check_stream_names(&sink);
+        v.check_pairing(store, &sink, lease_backend, database_url.is_some(), nats.is_some());
         let http_addr = v.http_addr();
         let client = v.client();
         let options = v.options(lease.ttl);
@@ -402,6 +516,8 @@ impl Config {
             relay,
             relay_secondary,
             redis_url,
+            nats,
+            lease_backend,
             database_url,
             store,
             sink,
@@ -423,12 +539,18 @@ impl Config {
             "relay primary={} secondary={} lease={} cursor_store={:?} sink={} collections={:?} lanes={} http={}",
             self.relay.fingerprint(),
             self.relay_secondary.as_ref().map_or("none", RelayUrl::fingerprint),
-            if self.redis_url.is_some() { "redis" } else { "local" },
+            match self.lease_backend {
+                LeaseKind::Redis => "redis".to_owned(),
+                LeaseKind::Nats =>
+                    format!("nats({})", self.nats.as_ref().map_or("?".into(), |n| nats_op::redact(&n.url))),
+                LeaseKind::Local => "local".to_owned(),
+            },
             self.store,
             match &self.sink {
                 SinkKind::Jsonl(p) => format!("jsonl:{p}"),
                 SinkKind::Postgres => "postgres".into(),
                 SinkKind::Webhook { batch, .. } => format!("webhook(batch {batch})"),
+                SinkKind::Nats(js) => format!("nats(stream {}, partitions {})", js.stream, js.partitions),
                 SinkKind::Null => "null".into(),
             },
             self.options.collections.as_ref().map_or(&[][..], CollectionFilter::entries),
@@ -525,6 +647,70 @@ mod tests {
         let e = cfg(&[("FIREKEEPER_RELAY", "wss://a.example"), ("FIREKEEPER_RELAY_SECONDARY", "wss://A.example:443/")])
             .expect_err("same");
         assert!(e.to_string().contains("same relay"));
+    }
+
+    #[test]
+    fn nats_lease_store_and_sink_pair_up_and_never_show_credentials() {
+        let c = cfg(&[("NATS_URL", "nats://user:hunter2@127.0.0.1:4222")]).expect("nats");
+        assert_eq!((c.lease_backend, c.store), (LeaseKind::Nats, StoreKind::Nats), "NATS_URL alone: lease and cursors");
+        assert!(c.summary().contains("nats(127.0.0.1:4222)") && !c.summary().contains("hunter2"), "{}", c.summary());
+        let c = cfg(&[("NATS_URL", "nats://127.0.0.1:4222"), ("REDIS_URL", "redis://127.0.0.1:6379")]).expect("both");
+        assert_eq!((c.lease_backend, c.store), (LeaseKind::Redis, StoreKind::Redis), "Redis first, as before");
+        let c = cfg(&[
+            ("NATS_URL", "127.0.0.1:4222"),
+            ("FIREKEEPER_SINK", "nats"),
+            ("FIREKEEPER_NATS_PARTITIONS", "8"),
+            ("NATS_TOKEN", "s3cret"),
+        ])
+        .expect("sink");
+        let SinkKind::Nats(js) = &c.sink else { panic!("{:?}", c.sink) };
+        assert_eq!((js.partitions, js.stream.as_str(), js.subject_prefix.as_str()), (8, "FIREKEEPER", "firekeeper"));
+        assert!(!format!("{c:?}").contains("s3cret"), "the token is never shown");
+        let SinkKind::Nats(js) = cfg(&[("NATS_URL", "nats://h:1"), ("FIREKEEPER_SINK", "nats")]).expect("ok").sink
+        else {
+            panic!("not nats")
+        };
+        assert_eq!(js.partitions, 0, "subjects by collection unless partitions are asked for");
+        for (pairs, says) in [
+            (&[("FIREKEEPER_SINK", "nats")][..], "FIREKEEPER_SINK=nats needs NATS_URL"),
+            (&[("FIREKEEPER_LEASE_BACKEND", "nats")][..], "FIREKEEPER_LEASE_BACKEND=nats needs NATS_URL"),
+            (&[("FIREKEEPER_CURSOR_STORE", "nats")][..], "FIREKEEPER_CURSOR_STORE=nats needs NATS_URL"),
+            (&[("NATS_URL", "http://h:1")][..], "NATS_URL is not a nats://"),
+            (&[("NATS_URL", "nats://h:1"), ("FIREKEEPER_CURSOR_STORE", "file")][..], "FIREKEEPER_CURSOR_STORE=file"),
+            (
+                &[
+                    ("NATS_URL", "nats://h:1"),
+                    ("REDIS_URL", "redis://h:2"),
+                    ("FIREKEEPER_LEASE_BACKEND", "nats"),
+                    ("FIREKEEPER_CURSOR_STORE", "redis"),
+                ][..],
+                "fenced by the Redis lease",
+            ),
+            (&[("NATS_URL", "nats://h:1"), ("NATS_CREDS", "/nonexistent.creds")][..], "NATS_CREDS"),
+            (
+                &[("NATS_URL", "nats://h:1"), ("FIREKEEPER_SINK", "nats"), ("FIREKEEPER_NATS_STREAM", "a.b")][..],
+                "FIREKEEPER_NATS_STREAM",
+            ),
+            (
+                &[("NATS_URL", "nats://h:1"), ("FIREKEEPER_SINK", "nats"), ("FIREKEEPER_NATS_SUBJECT_PREFIX", "a..b")]
+                    [..],
+                "FIREKEEPER_NATS_SUBJECT_PREFIX",
+            ),
+            (
+                &[("NATS_URL", "nats://h:1"), ("FIREKEEPER_SINK", "nats"), ("FIREKEEPER_NATS_MAX_AGE_MS", "1000")][..],
+                "FIREKEEPER_NATS_DUPLICATE_WINDOW_MS",
+            ),
+        ] {
+            let e = cfg(pairs).expect_err(says).to_string();
+            assert!(e.contains(says), "{pairs:?}: {e}");
+            assert!(!e.contains("hunter2"));
+        }
+        let c = cfg(&[
+            ("NATS_URL", "nats://h:1"),
+            ("FIREKEEPER_CURSOR_STORE", "postgres"),
+            ("DATABASE_URL", "postgres://x@h/db"),
+        ]);
+        assert!(c.is_ok(), "postgres cursors with the NATS lease: {:?}", c.err());
     }
 
     #[test]

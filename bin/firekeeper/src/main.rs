@@ -73,9 +73,9 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
 
 async fn run(cfg: Config) -> Result<()> {
     let prom = telemetry::metrics()?;
-    if cfg.redis_url.is_none() {
+    if cfg.lease_backend == config::LeaseKind::Local {
         tracing::warn!(
-            "no REDIS_URL: running on embedded defaults (local lease file, file cursor); this instance is not highly available"
+            "no REDIS_URL or NATS_URL: running on embedded defaults (local lease file, file cursor); this instance is not highly available"
         );
     }
     tracing::info!(config = %cfg.summary(), "starting");
@@ -88,7 +88,7 @@ async fn run(cfg: Config) -> Result<()> {
     if let Some(id) = &cfg.instance_id {
         builder = builder.instance_id(id);
     }
-    let consumer = stores::LeaseBackend::new(&cfg)?.install(builder, &cfg).build()?;
+    let consumer = stores::LeaseBackend::new(&cfg).await?.install(builder, &cfg).build()?;
     let status = consumer.status();
     if !cfg.log_json {
         tokio::spawn(telemetry::summary_lines(status.clone(), std::time::Duration::from_secs(5)));

@@ -4,38 +4,56 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use checkpoint::{CursorStore, FileStore, PostgresStore, RedisKeys, RedisStore};
+use checkpoint::{CursorStore, FileStore, NatsStore, PostgresStore, RedisKeys, RedisStore};
 use consumer::{Builder, Handler};
-use lease::{LocalBackend, RedisBackend, Snapshot};
+use lease::{LocalBackend, NatsBackend, RedisBackend, Snapshot};
+use nats_op::Nats;
 
-use crate::config::{Config, SinkKind, StoreKind};
+use crate::config::{Config, LeaseKind, SinkKind, StoreKind};
 
-/// The lease backend (a generic trait, so one of two concrete types).
+/// The lease backend (a generic trait, so one of three concrete types).
 pub enum LeaseBackend {
     /// Redis (with `REDIS_URL`).
     Redis(Arc<RedisBackend>),
+    /// NATS KV (with `NATS_URL`).
+    Nats(Arc<NatsBackend>),
     /// A lock file (embedded).
     Local(Arc<LocalBackend>),
 }
 
+/// A NATS connection of its own (the lease's renewals never queue behind the sink's
+/// publishes).
+async fn nats(cfg: &Config) -> Result<Nats> {
+    let n = cfg.nats.as_ref().context("NATS_URL")?;
+    Nats::connect(n).await.context("NATS_URL")
+}
+
 impl LeaseBackend {
     /// Builds the backend for `cfg`.
-    pub fn new(cfg: &Config) -> Result<Self> {
-        if let Some(url) = &cfg.redis_url {
-            Ok(Self::Redis(Arc::new(
-                RedisBackend::new(url, &cfg.lease.key_prefix, cfg.lease.op_timeout).context("REDIS_URL")?,
-            )))
-        } else {
-            std::fs::create_dir_all(&cfg.data_dir)
-                .with_context(|| format!("creating data directory {}", cfg.data_dir.display()))?;
-            Ok(Self::Local(Arc::new(LocalBackend::new(&lease_file(cfg)))))
-        }
+    pub async fn new(cfg: &Config) -> Result<Self> {
+        Ok(match cfg.lease_backend {
+            LeaseKind::Redis => {
+                let url = cfg.redis_url.as_deref().context("REDIS_URL")?;
+                Self::Redis(Arc::new(
+                    RedisBackend::new(url, &cfg.lease.key_prefix, cfg.lease.op_timeout).context("REDIS_URL")?,
+                ))
+            }
+            LeaseKind::Nats => {
+                Self::Nats(Arc::new(NatsBackend::new(&nats(cfg).await?, &cfg.lease.key_prefix, cfg.lease.ttl)))
+            }
+            LeaseKind::Local => {
+                std::fs::create_dir_all(&cfg.data_dir)
+                    .with_context(|| format!("creating data directory {}", cfg.data_dir.display()))?;
+                Self::Local(Arc::new(LocalBackend::new(&lease_file(cfg))))
+            }
+        })
     }
 
     /// Hands the backend to the consumer.
     pub fn install(self, b: Builder, cfg: &Config) -> Builder {
         match self {
             Self::Redis(r) => b.lease(r, cfg.lease.clone()),
+            Self::Nats(n) => b.lease(n, cfg.lease.clone()),
             Self::Local(l) => b.lease(l, cfg.lease.clone()),
         }
     }
@@ -45,6 +63,7 @@ impl LeaseBackend {
         use lease::Backend as _;
         Ok(match self {
             Self::Redis(b) => b.snapshot().await?,
+            Self::Nats(b) => b.snapshot().await?,
             Self::Local(b) => b.snapshot().await?,
         })
     }
@@ -64,6 +83,7 @@ pub async fn open_store(cfg: &Config) -> Result<Arc<dyn CursorStore>> {
             let keys = RedisKeys::new(&cfg.lease.key_prefix, cfg.legacy_cursor_prefix.as_deref());
             Arc::new(RedisStore::new(url, keys, cfg.lease.op_timeout)?)
         }
+        StoreKind::Nats => Arc::new(NatsStore::new(&nats(cfg).await?, &cfg.lease.key_prefix)),
         StoreKind::File => Arc::new(FileStore::new(&cfg.data_dir.join("cursors"), &lease_file(cfg))?),
         StoreKind::Postgres => {
             let url = cfg.database_url.as_deref().context("DATABASE_URL")?;
@@ -81,6 +101,9 @@ pub async fn open_sink(cfg: &Config) -> Result<Arc<dyn Handler>> {
             Arc::new(sinks::Postgres::connect(cfg.database_url.as_deref().context("DATABASE_URL")?).await?)
         }
         SinkKind::Webhook { url, batch, timeout } => Arc::new(sinks::Webhook::new(url, *batch, *timeout)?),
+        SinkKind::Nats(js) => {
+            Arc::new(sinks::JetStream::open(&nats(cfg).await?, js.clone()).await.context("the nats sink's stream")?)
+        }
         SinkKind::Null => Arc::new(sinks::Null),
     })
 }

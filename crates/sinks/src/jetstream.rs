@@ -28,7 +28,7 @@ use nats_op::{Nats, NatsError};
 use relay_client::Message;
 
 /// Where and how the sink publishes.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JetStreamConfig {
     /// The stream's name (created if missing).
     pub stream: String,
