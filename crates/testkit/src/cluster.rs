@@ -13,7 +13,7 @@ use relay_sim::{RelaySim, SimConfig, capture};
 
 use crate::http::http_get;
 use crate::proc::firekeeper_bin;
-use crate::{RedisServer, TcpProxy, WAIT, fixture_frames, free_port, tmpdir};
+use crate::{NatsServer, RedisServer, TcpProxy, WAIT, fixture_frames, free_port, tmpdir};
 
 /// One firekeeper process slot (restartable).
 pub struct Replica {
@@ -152,6 +152,9 @@ pub struct Spec {
     /// The secondary serves the events in its own seq space ([`relay_sim::reseq`]): judge
     /// with [`Cluster::check_keys`], which keys events by (repo, rev), not by seq.
     pub secondary_seq_space: bool,
+    /// Lease and cursors on NATS (JetStream KV) instead of Redis: the proxies stand in
+    /// front of [`Cluster::nats`].
+    pub nats: bool,
 }
 
 impl Default for Spec {
@@ -166,19 +169,22 @@ impl Default for Spec {
             extra_env: Vec::new(),
             bin: None,
             secondary_seq_space: false,
+            nats: false,
         }
     }
 }
 
 /// A running cluster: dropped, it stops the watchers; each `Replica` kills its process.
 pub struct Cluster {
-    /// The Redis every replica's lease and cursor live on.
+    /// The Redis every replica's lease and cursor live on (unused with `Spec::nats`).
     pub redis: RedisServer,
+    /// The NATS server of a `Spec::nats` cluster.
+    pub nats: Option<NatsServer>,
     /// The primary relay.
     pub relay: RelaySim,
     /// The secondary relay, with `Spec::secondary`.
     pub relay2: Option<RelaySim>,
-    /// One fault proxy per replica, in front of `redis`.
+    /// One fault proxy per replica, in front of `redis` (or `nats`).
     pub proxies: Vec<TcpProxy>,
     /// The replica slots.
     pub replicas: Vec<Replica>,
@@ -279,6 +285,28 @@ fn watch_cursor(url: Arc<Mutex<String>>, key: String, history: Arc<Mutex<Vec<u64
     })
 }
 
+/// [`watch_cursor`] for the NATS cursor store: the key `key` of the `firekeeper-state`
+/// bucket, whose value starts with the cursor (`-` for none).
+fn watch_nats_cursor(url: String, key: String, history: Arc<Mutex<Vec<u64>>>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let cfg = nats_op::NatsConfig { url, creds_file: None, token: None, op_timeout: Duration::from_secs(1) };
+        let Ok(n) = nats_op::Nats::connect(&cfg).await else { return };
+        loop {
+            if let Ok(kv) = n.jetstream().get_key_value("firekeeper-state").await {
+                while let Ok(v) = kv.get(&key).await {
+                    if let Some(c) =
+                        v.as_deref().and_then(|b| std::str::from_utf8(b).ok()?.split(' ').next()?.parse::<u64>().ok())
+                    {
+                        history.lock().expect("history").push(c);
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
 impl Cluster {
     /// Starts Redis, the relays and the proxies (not the replicas: see `start_all`).
     pub async fn start(name: &str, spec: Spec) -> Self {
@@ -332,23 +360,50 @@ impl Cluster {
         for (k, v) in &spec.extra_env {
             base.insert((*k).to_owned(), v.clone());
         }
+        let nats = spec.nats.then(NatsServer::start);
         // Start from the beginning of the stream.
-        let mut c = redis.admin();
         let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
-        let _: () = redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp}")).arg(0).query(&mut c).expect("preseed");
         // A secondary in its own seq space starts with no cursor, as in a deployment: where
         // to enter it is found by time at the switch.
-        if let Some(r2) = relay2.as_ref().filter(|_| !spec.secondary_seq_space) {
-            let fp2 = relay_client::RelayUrl::parse(&r2.url()).expect("url").fingerprint().to_owned();
+        let preseed_secondary = relay2.as_ref().filter(|_| !spec.secondary_seq_space).map(|_| "secondary");
+        if let Some(n) = &nats {
+            let bin = spec.bin.clone().unwrap_or_else(firekeeper_bin);
+            for relay in std::iter::once("primary").chain(preseed_secondary) {
+                let out = std::process::Command::new(&bin)
+                    .args(["cursor", "set", "0", "--relay", relay])
+                    .envs(base.iter())
+                    .env("NATS_URL", n.url())
+                    .env("FIREKEEPER_DATA_DIR", dir.join("preseed"))
+                    .output()
+                    .expect("firekeeper cursor set");
+                assert!(out.status.success(), "preseed: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        } else {
+            let mut c = redis.admin();
             let _: () =
-                redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp2}")).arg(0).query(&mut c).expect("preseed");
+                redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp}")).arg(0).query(&mut c).expect("preseed");
+            if let Some(r2) = relay2.as_ref().filter(|_| preseed_secondary.is_some()) {
+                let fp2 = relay_client::RelayUrl::parse(&r2.url()).expect("url").fingerprint().to_owned();
+                let _: () = redis::cmd("SET")
+                    .arg(format!("{{firekeeper}}:cursor:{fp2}"))
+                    .arg(0)
+                    .query(&mut c)
+                    .expect("preseed");
+            }
         }
         let mut proxies = Vec::new();
         let mut replicas = Vec::new();
         for i in 0..spec.replicas {
-            let proxy = TcpProxy::start(redis.addr()).await;
             let mut env = base.clone();
-            env.insert("REDIS_URL".into(), proxy.redis_url());
+            let proxy = if let Some(n) = &nats {
+                let proxy = TcpProxy::start(n.addr()).await;
+                env.insert("NATS_URL".into(), format!("nats://{}", proxy.addr()));
+                proxy
+            } else {
+                let proxy = TcpProxy::start(redis.addr()).await;
+                env.insert("REDIS_URL".into(), proxy.redis_url());
+                proxy
+            };
             let http = format!("127.0.0.1:{}", free_port());
             env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
             proxies.push(proxy);
@@ -364,12 +419,17 @@ impl Cluster {
         }
         let history = Arc::new(Mutex::new(Vec::new()));
         let watch_url = Arc::new(Mutex::new(redis.url()));
-        let (h, wu, key) = (history.clone(), watch_url.clone(), format!("{{firekeeper}}:cursor:{fp}"));
-        let watcher = watch_cursor(wu, key, h);
+        let watcher = if let Some(n) = &nats {
+            watch_nats_cursor(n.url(), format!("cursor.{fp}"), history.clone())
+        } else {
+            let (h, wu, key) = (history.clone(), watch_url.clone(), format!("{{firekeeper}}:cursor:{fp}"));
+            watch_cursor(wu, key, h)
+        };
         let overlaps = Arc::new(Mutex::new(Vec::new()));
         let roles = watch_roles(replicas.iter().map(|r| r.http.clone()).collect(), overlaps.clone());
         Self {
             redis,
+            nats,
             relay,
             relay2,
             proxies,
@@ -471,8 +531,7 @@ impl Cluster {
     /// to a Redis replica that lagged: replays, never a gap).
     #[allow(clippy::must_use_candidate)] // it asserts; the count is for callers that want it
     pub fn check_with(&self, rewinds: usize) -> usize {
-        let overlaps = self.overlaps.lock().expect("overlaps").clone();
-        assert!(overlaps.is_empty(), "two replicas led at once (replica, token): {overlaps:?}");
+        self.check_terms_and_cursor(rewinds);
         let seen = self.seen();
         let missing: Vec<u64> = (1..=self.total).filter(|s| !seen.contains_key(s)).take(10).collect();
         assert!(missing.is_empty(), "seqs missing: {missing:?}");
@@ -488,13 +547,19 @@ impl Cluster {
                 assert!(toks.windows(2).all(|w| w[0] <= w[1]), "tokens went down within {}", f.display());
             }
         }
-        // A seq written under several tokens is a replay after a crash, never a stale
-        // leader racing a new one: the later token's copy exists.
+        seen.values().filter(|v| v.len() > 1).count()
+    }
+
+    /// The part of the oracle that needs no output files (for sinks that are not jsonl):
+    /// never two leaders at once, the stored cursor moved back at most `rewinds` times
+    /// and ends at the last seq.
+    pub fn check_terms_and_cursor(&self, rewinds: usize) {
+        let overlaps = self.overlaps.lock().expect("overlaps").clone();
+        assert!(overlaps.is_empty(), "two replicas led at once (replica, token): {overlaps:?}");
         let history = self.cursor_history.lock().expect("history").clone();
         let back: Vec<_> = history.windows(2).filter(|w| w[0] > w[1]).collect();
         assert!(back.len() <= rewinds, "cursor regressed: {back:?}");
         assert_eq!(history.last().copied(), Some(self.total), "final cursor committed");
-        seen.values().filter(|v| v.len() > 1).count()
     }
 
     /// Event key → how many lines carry it, over every output file. The key is
