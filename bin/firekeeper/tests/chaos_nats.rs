@@ -152,7 +152,7 @@ async fn stream(url: &str) -> Vec<(String, String, serde_json::Value)> {
 }
 
 /// Three replicas, NATS lease, NATS cursors and the JetStream sink; the leader is
-/// SIGKILLed every few seconds. The stream ends with every event of the relay exactly
+/// killed (SIGKILL) every few seconds. The stream ends with every event of the relay exactly
 /// once (the new leader's replays are dropped by message id) and each repo's events in
 /// relay order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -307,6 +307,42 @@ fn watch_nats_cursor(url: String, key: String, history: Arc<Mutex<Vec<u64>>>) ->
     })
 }
 
+/// Stores cursor 0 for the primary (and a secondary in the same seq space), so the
+/// cluster starts from the beginning of the stream. A secondary in its own seq space
+/// starts with no cursor, as in a deployment: where to enter it is found by time.
+fn preseed(
+    spec: &Spec,
+    base: &HashMap<String, String>,
+    dir: &std::path::Path,
+    redis: &RedisServer,
+    nats: Option<&NatsServer>,
+    fp: &str,
+    relay2: Option<&RelaySim>,
+) {
+    let preseed_secondary = relay2.filter(|_| !spec.secondary_seq_space).map(|_| "secondary");
+    if let Some(n) = nats {
+        let bin = spec.bin.clone().unwrap_or_else(firekeeper_bin);
+        for relay in std::iter::once("primary").chain(preseed_secondary) {
+            let out = std::process::Command::new(&bin)
+                .args(["cursor", "set", "0", "--relay", relay])
+                .envs(base.iter())
+                .env("NATS_URL", n.url())
+                .env("FIREKEEPER_DATA_DIR", dir.join("preseed"))
+                .output()
+                .expect("firekeeper cursor set");
+            assert!(out.status.success(), "preseed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        return;
+    }
+    let mut c = redis.admin();
+    let _: () = redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp}")).arg(0).query(&mut c).expect("preseed");
+    if let Some(r2) = relay2.filter(|_| preseed_secondary.is_some()) {
+        let fp2 = relay_client::RelayUrl::parse(&r2.url()).expect("url").fingerprint().to_owned();
+        let _: () =
+            redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp2}")).arg(0).query(&mut c).expect("preseed");
+    }
+}
+
 impl Cluster {
     /// Starts Redis, the relays and the proxies (not the replicas: see `start_all`).
     pub async fn start(name: &str, spec: Spec) -> Self {
@@ -361,49 +397,19 @@ impl Cluster {
             base.insert((*k).to_owned(), v.clone());
         }
         let nats = spec.nats.then(NatsServer::start);
-        // Start from the beginning of the stream.
         let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
-        // A secondary in its own seq space starts with no cursor, as in a deployment: where
-        // to enter it is found by time at the switch.
-        let preseed_secondary = relay2.as_ref().filter(|_| !spec.secondary_seq_space).map(|_| "secondary");
-        if let Some(n) = &nats {
-            let bin = spec.bin.clone().unwrap_or_else(firekeeper_bin);
-            for relay in std::iter::once("primary").chain(preseed_secondary) {
-                let out = std::process::Command::new(&bin)
-                    .args(["cursor", "set", "0", "--relay", relay])
-                    .envs(base.iter())
-                    .env("NATS_URL", n.url())
-                    .env("FIREKEEPER_DATA_DIR", dir.join("preseed"))
-                    .output()
-                    .expect("firekeeper cursor set");
-                assert!(out.status.success(), "preseed: {}", String::from_utf8_lossy(&out.stderr));
-            }
-        } else {
-            let mut c = redis.admin();
-            let _: () =
-                redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp}")).arg(0).query(&mut c).expect("preseed");
-            if let Some(r2) = relay2.as_ref().filter(|_| preseed_secondary.is_some()) {
-                let fp2 = relay_client::RelayUrl::parse(&r2.url()).expect("url").fingerprint().to_owned();
-                let _: () = redis::cmd("SET")
-                    .arg(format!("{{firekeeper}}:cursor:{fp2}"))
-                    .arg(0)
-                    .query(&mut c)
-                    .expect("preseed");
-            }
-        }
+        preseed(&spec, &base, &dir, &redis, nats.as_ref(), &fp, relay2.as_ref());
         let mut proxies = Vec::new();
         let mut replicas = Vec::new();
         for i in 0..spec.replicas {
             let mut env = base.clone();
-            let proxy = if let Some(n) = &nats {
-                let proxy = TcpProxy::start(n.addr()).await;
-                env.insert("NATS_URL".into(), format!("nats://{}", proxy.addr()));
-                proxy
+            let proxy = TcpProxy::start(nats.as_ref().map_or_else(|| redis.addr(), NatsServer::addr)).await;
+            let (var, url) = if nats.is_some() {
+                ("NATS_URL", format!("nats://{}", proxy.addr()))
             } else {
-                let proxy = TcpProxy::start(redis.addr()).await;
-                env.insert("REDIS_URL".into(), proxy.redis_url());
-                proxy
+                ("REDIS_URL", proxy.redis_url())
             };
+            env.insert(var.into(), url);
             let http = format!("127.0.0.1:{}", free_port());
             env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
             proxies.push(proxy);
