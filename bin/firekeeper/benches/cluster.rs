@@ -74,7 +74,11 @@ async fn throughput(bin: Option<PathBuf>, sink: &'static str) -> (u64, f64) {
 
 /// [`throughput`] with more environment.
 async fn throughput_with(bin: Option<PathBuf>, sink: &'static str, env: Vec<(&'static str, String)>) -> (u64, f64) {
-    let spec = Spec { replicas: 1, copies: COPIES, rate: None, sink, bin, extra_env: env, ..Spec::default() };
+    throughput_of(Spec { replicas: 1, copies: COPIES, rate: None, sink, bin, extra_env: env, ..Spec::default() }).await
+}
+
+/// Steady-state frames/s of one replica of `spec`.
+async fn throughput_of(spec: Spec) -> (u64, f64) {
     let mut c = Cluster::start("bench-tput", spec).await;
     c.start_all();
     let (l, _) = c.wait_leader(None).await;
@@ -185,7 +189,7 @@ fn main() {
         // Alternated, so drift in the VM's speed hits every figure alike.
         let baseline = std::env::var_os("FIREKEEPER_BENCH_BASELINE").map(PathBuf::from);
         let (mut raw, mut null, mut jsonl, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut unchained = Vec::new();
+        let (mut unchained, mut jetstream) = (Vec::new(), Vec::new());
         let mut n = 0;
         for _ in 0..RUNS {
             raw.push(raw_ceiling().await.1);
@@ -194,6 +198,8 @@ fn main() {
             null.push(fps);
             jsonl.push(throughput(None, "jsonl").await.1);
             unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await.1);
+            let js = Spec { replicas: 1, copies: COPIES, rate: None, sink: "nats", nats: true, ..Spec::default() };
+            jetstream.push(throughput_of(js).await.1);
             if let Some(b) = &baseline {
                 base.push(throughput(Some(b.clone()), "null").await.1);
             }
@@ -214,6 +220,11 @@ fn main() {
             "end-to-end with the jsonl sink (JSON rendered in the lanes, written to a file), {RUNS} runs: {} → median {:.0} frames/s",
             runs(&jsonl),
             median(&mut jsonl.clone())
+        );
+        println!(
+            "end-to-end into JetStream (NATS lease + NATS cursor + JetStream sink, every publish acknowledged), {RUNS} runs: {} → median {:.0} frames/s",
+            runs(&jetstream),
+            median(&mut jetstream.clone())
         );
         if let Some(b) = &baseline {
             println!(
