@@ -19,7 +19,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use nats_op::async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
+use nats_op::async_nats::jetstream::kv::Operation;
 use nats_op::{Bucket, Nats, NatsError, bucket_name};
 
 use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
@@ -79,20 +79,10 @@ impl Stored {
     }
 }
 
-/// A key's live value and revision (deleted or purged: absent).
-fn live(e: Option<kv::Entry>) -> Option<(Bytes, u64)> {
-    e.filter(|e| e.operation == Operation::Put).map(|e| (e.value, e.revision))
-}
-
 /// Cursors in NATS KV.
 #[derive(Debug)]
 pub struct NatsStore {
     state: Bucket,
-}
-
-enum Cas {
-    Done,
-    Conflict,
 }
 
 impl NatsStore {
@@ -107,27 +97,12 @@ impl NatsStore {
     }
 
     async fn entry(&self, key: String) -> Result<Option<(Bytes, u64)>, StoreError> {
-        Ok(self.state.op("read", |st| async move { st.entry(key).await }).await.map(live)?)
+        Ok(self.state.read(key).await?)
     }
 
-    async fn cas(&self, key: String, value: Bytes, rev: Option<u64>) -> Result<Cas, StoreError> {
-        Ok(self
-            .state
-            .op("compare-and-set", |st| async move {
-                match rev {
-                    Some(r) => match st.update(key, value, r).await {
-                        Ok(_) => Ok(Cas::Done),
-                        Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(Cas::Conflict),
-                        Err(e) => Err(e.to_string()),
-                    },
-                    None => match st.create(key, value).await {
-                        Ok(_) => Ok(Cas::Done),
-                        Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(Cas::Conflict),
-                        Err(e) => Err(e.to_string()),
-                    },
-                }
-            })
-            .await?)
+    /// Compare-and-set on a key's revision: `false` when another writer got there first.
+    async fn cas(&self, key: String, value: Bytes, rev: Option<u64>) -> Result<bool, StoreError> {
+        Ok(self.state.cas(key, value, rev).await?.is_some())
     }
 
     async fn fence_seen(&self) -> Result<(u64, Option<u64>), StoreError> {
@@ -152,7 +127,7 @@ impl NatsStore {
             if seen == token && rev.is_some() {
                 return Ok(None);
             }
-            if let Cas::Done = self.cas(FENCE_SEEN.to_owned(), Bytes::from(token.to_string()), rev).await? {
+            if self.cas(FENCE_SEEN.to_owned(), Bytes::from(token.to_string()), rev).await? {
                 return Ok(None);
             }
         }
@@ -204,7 +179,7 @@ impl NatsStore {
                 b.await;
             }
             let value = Stored { cursor: Some(cursor), token, time_ms, reset }.encode();
-            if let Cas::Done = self.cas(key.clone(), value, current.map(|(_, r)| r)).await? {
+            if self.cas(key.clone(), value, current.map(|(_, r)| r)).await? {
                 return Ok(CommitOutcome::Saved);
             }
         }
@@ -222,7 +197,7 @@ impl NatsStore {
                 return Ok(());
             }
             let value = Bytes::from(format!("{fingerprint} {token}"));
-            if let Cas::Done = self.cas(ACTIVE.to_owned(), value, current.map(|(_, r)| r)).await? {
+            if self.cas(ACTIVE.to_owned(), value, current.map(|(_, r)| r)).await? {
                 return Ok(());
             }
         }
@@ -248,7 +223,7 @@ impl NatsStore {
             }
             next.token = token;
             next.reset = false;
-            if let Cas::Done = self.cas(key.clone(), next.encode(), current.map(|(_, r)| r)).await? {
+            if self.cas(key.clone(), next.encode(), current.map(|(_, r)| r)).await? {
                 return Ok(None);
             }
         }
@@ -313,7 +288,7 @@ impl crate::CursorStore for NatsStore {
             let current = self.entry(key.clone()).await?;
             let token = current.as_ref().and_then(|(v, _)| Stored::decode(v).ok()).map_or(0, |s| s.token);
             let value = Stored { cursor: Some(cursor), token, time_ms: None, reset: true }.encode();
-            if let Cas::Done = self.cas(key.clone(), value, current.map(|(_, r)| r)).await? {
+            if self.cas(key.clone(), value, current.map(|(_, r)| r)).await? {
                 return Ok(());
             }
         }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use nats_op::async_nats::jetstream::kv::{self, CreateErrorKind, Operation, UpdateErrorKind};
+use nats_op::async_nats::jetstream::kv::{self, Operation, UpdateErrorKind};
 use nats_op::{Bucket, Nats, NatsError, bucket_name};
 use tokio::sync::Notify;
 
@@ -54,11 +54,6 @@ impl From<NatsError> for BackendError {
 
 fn protocol(what: impl Into<String>) -> BackendError {
     BackendError::Protocol(what.into())
-}
-
-/// A live value of a key: its bytes and revision (deletes and purges count as absent).
-fn live(e: Option<kv::Entry>) -> Option<(Bytes, u64)> {
-    e.filter(|e| e.operation == Operation::Put).map(|e| (e.value, e.revision))
 }
 
 fn number(v: &[u8], what: &str) -> Result<u64, BackendError> {
@@ -91,12 +86,6 @@ impl Drop for NatsBackend {
     }
 }
 
-/// Outcome of a compare-and-set.
-enum Cas {
-    Done,
-    Conflict,
-}
-
 impl NatsBackend {
     /// Buckets under `prefix`; the lease bucket's entries expire `ttl` after their last
     /// write (the bucket is updated to that age if it exists with another).
@@ -110,7 +99,7 @@ impl NatsBackend {
     }
 
     async fn read(&self, bucket: &Bucket, key: &'static str) -> Result<Option<(Bytes, u64)>, BackendError> {
-        Ok(bucket.op("read", |st| async move { st.entry(key).await }).await.map(live)?)
+        Ok(bucket.read(key.to_owned()).await?)
     }
 
     async fn number_at(&self, key: &'static str) -> Result<(u64, Option<u64>), BackendError> {
@@ -120,42 +109,15 @@ impl NatsBackend {
         }
     }
 
-    /// Sets a state key to `value` if it is still at `rev` (`None`: absent).
-    async fn cas_state(&self, key: &'static str, value: u64, rev: Option<u64>) -> Result<Cas, BackendError> {
-        let v = Bytes::from(value.to_string());
-        let out = self
-            .state
-            .op("compare-and-set", |st| async move {
-                match rev {
-                    Some(r) => match st.update(key, v, r).await {
-                        Ok(_) => Ok(Cas::Done),
-                        Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => Ok(Cas::Conflict),
-                        Err(e) => Err(e.to_string()),
-                    },
-                    None => match st.create(key, v).await {
-                        Ok(_) => Ok(Cas::Done),
-                        Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(Cas::Conflict),
-                        Err(e) => Err(e.to_string()),
-                    },
-                }
-            })
-            .await?;
-        Ok(out)
+    /// Sets a state key to `value` if it is still at `rev` (`None`: absent); `false`
+    /// when another writer got there first.
+    async fn cas_state(&self, key: &'static str, value: u64, rev: Option<u64>) -> Result<bool, BackendError> {
+        Ok(self.state.cas(key.to_owned(), Bytes::from(value.to_string()), rev).await?.is_some())
     }
 
-    /// Creates `leader` = `value`; `None` when someone holds it.
+    /// Creates `leader` = `value` and returns its revision; `None` when someone holds it.
     async fn create_leader(&self, value: &str) -> Result<Option<u64>, BackendError> {
-        let v = Bytes::from(value.to_owned());
-        Ok(self
-            .lease
-            .op("create", |st| async move {
-                match st.create(LEADER, v).await {
-                    Ok(rev) => Ok(Some(rev)),
-                    Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(None),
-                    Err(e) => Err(e.to_string()),
-                }
-            })
-            .await?)
+        Ok(self.lease.cas(LEADER.to_owned(), Bytes::from(value.to_owned()), None).await?)
     }
 
     async fn delete_leader(&self, rev: u64) -> Result<(), BackendError> {
@@ -203,7 +165,7 @@ impl NatsBackend {
         let (fence, rev) = self.number_at(FENCE).await?;
         let (seen, _) = self.number_at(FENCE_SEEN).await?;
         let token = fence.max(seen).max(floor) + 1;
-        if let Cas::Conflict = self.cas_state(FENCE, token, rev).await? {
+        if !self.cas_state(FENCE, token, rev).await? {
             return Err(BackendError::Unavailable("another replica is acquiring the lease; retrying".into()));
         }
         between.await;
@@ -260,7 +222,7 @@ impl Backend for NatsBackend {
         if fence > token {
             return Ok(Renew::Fenced { fence: Some(fence) });
         }
-        if (fence < token || rev.is_none()) && matches!(self.cas_state(FENCE, token, rev).await?, Cas::Conflict) {
+        if (fence < token || rev.is_none()) && !self.cas_state(FENCE, token, rev).await? {
             return Err(BackendError::Unavailable("the fence moved while retaking; retrying".into()));
         }
         match self.create_leader(&value).await? {
@@ -291,7 +253,7 @@ impl Backend for NatsBackend {
             if v == fence && rev.is_some() {
                 return Ok(v);
             }
-            if let Cas::Done = self.cas_state(FENCE, v, rev).await? {
+            if self.cas_state(FENCE, v, rev).await? {
                 return Ok(v);
             }
         }

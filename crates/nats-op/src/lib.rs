@@ -306,6 +306,40 @@ impl Bucket {
     }
 }
 
+/// A key's live value and revision: `None` when absent, deleted or purged.
+#[must_use]
+pub fn live(e: Option<kv::Entry>) -> Option<(bytes::Bytes, u64)> {
+    e.filter(|e| e.operation == kv::Operation::Put).map(|e| (e.value, e.revision))
+}
+
+impl Bucket {
+    /// A key's live value and revision.
+    pub async fn read(&self, key: String) -> Result<Option<(bytes::Bytes, u64)>, NatsError> {
+        self.op("read", |st| async move { st.entry(key).await }).await.map(live)
+    }
+
+    /// Compare-and-set: writes `value` if the key is still at `rev` (`None`: absent,
+    /// deleted or purged) and returns the new revision; `Ok(None)` when another writer
+    /// got there first.
+    pub async fn cas(&self, key: String, value: bytes::Bytes, rev: Option<u64>) -> Result<Option<u64>, NatsError> {
+        self.op("compare-and-set", |st| async move {
+            match rev {
+                Some(r) => match st.update(key, value, r).await {
+                    Ok(n) => Ok(Some(n)),
+                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+                    Err(e) => Err(e.to_string()),
+                },
+                None => match st.create(key, value).await {
+                    Ok(n) => Ok(Some(n)),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+                    Err(e) => Err(e.to_string()),
+                },
+            }
+        })
+        .await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -96,10 +96,36 @@ pub fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
     out
 }
 
+/// A server's child process: what every server below signals, kills and reaps alike.
+#[derive(Default)]
+struct ServerProc(Option<Child>);
+
+impl ServerProc {
+    /// Sends `sig` (e.g. `-STOP`) to the process, if running.
+    fn signal(&self, sig: &str, what: &str) {
+        if let Some(c) = &self.0 {
+            let ok = Command::new("kill").args([sig, &c.id().to_string()]).status().is_ok_and(|s| s.success());
+            assert!(ok, "kill {sig} {what}");
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
+    /// SIGKILL and reap.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// A `redis-server` child process owned by one test.
 pub struct RedisServer {
     port: u16,
-    child: Option<Child>,
+    child: ServerProc,
     extra: Vec<String>,
 }
 
@@ -113,7 +139,11 @@ impl RedisServer {
     /// Starts with extra `redis-server` arguments (e.g. `--requirepass x`).
     #[must_use]
     pub fn start_with(extra: &[&str]) -> Self {
-        let mut s = Self { port: free_port(), child: None, extra: extra.iter().map(|s| (*s).to_owned()).collect() };
+        let mut s = Self {
+            port: free_port(),
+            child: ServerProc::default(),
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
         s.spawn();
         s
     }
@@ -127,7 +157,7 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server on PATH (scripts/ensure-deps.sh installs it)");
-        self.child = Some(child);
+        self.child = ServerProc(Some(child));
         self.wait_ready();
     }
 
@@ -180,35 +210,25 @@ impl RedisServer {
             .expect("admin connection")
     }
 
-    fn signal(&self, sig: &str) {
-        if let Some(c) = &self.child {
-            let ok = Command::new("kill").args([sig, &c.id().to_string()]).status().is_ok_and(|s| s.success());
-            assert!(ok, "kill {sig} redis-server");
-        }
-    }
-
     /// The process id (0 when not running), to signal it from another task.
     #[must_use]
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
+        self.child.pid()
     }
 
     /// SIGSTOP: the server keeps its sockets but answers nothing.
     pub fn pause(&self) {
-        self.signal("-STOP");
+        self.child.signal("-STOP", "redis-server");
     }
 
     /// SIGCONT after [`RedisServer::pause`].
     pub fn resume(&self) {
-        self.signal("-CONT");
+        self.child.signal("-CONT", "redis-server");
     }
 
     /// SIGKILL and reap: every key is gone (no persistence).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill();
     }
 
     /// Starts again on the same port, empty.
@@ -230,7 +250,7 @@ impl Drop for RedisServer {
 pub struct NatsServer {
     port: u16,
     dir: std::path::PathBuf,
-    child: Option<Child>,
+    child: ServerProc,
 }
 
 fn nats_bin() -> std::path::PathBuf {
@@ -245,7 +265,7 @@ impl NatsServer {
     /// Starts a fresh server with JetStream on a free port and waits until it answers.
     #[must_use]
     pub fn start() -> Self {
-        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: None };
+        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default() };
         s.spawn();
         s
     }
@@ -258,7 +278,7 @@ impl NatsServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("nats-server (scripts/ensure-deps.sh installs it)");
-        self.child = Some(child);
+        self.child = ServerProc(Some(child));
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if self.answers() {
@@ -298,29 +318,19 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
-    fn signal(&self, sig: &str) {
-        if let Some(c) = &self.child {
-            let ok = Command::new("kill").args([sig, &c.id().to_string()]).status().is_ok_and(|s| s.success());
-            assert!(ok, "kill {sig} nats-server");
-        }
-    }
-
     /// SIGSTOP: the server keeps its sockets but answers nothing.
     pub fn pause(&self) {
-        self.signal("-STOP");
+        self.child.signal("-STOP", "nats-server");
     }
 
     /// SIGCONT after [`NatsServer::pause`].
     pub fn resume(&self) {
-        self.signal("-CONT");
+        self.child.signal("-CONT", "nats-server");
     }
 
     /// SIGKILL and reap (the JetStream data stays on disk).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill();
     }
 
     /// Starts again on the same port with the same data.
