@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures_util::StreamExt;
 use nats_op::async_nats::jetstream::kv::Operation;
 use nats_op::{Bucket, Nats, NatsError, bucket_name};
 
@@ -315,20 +314,14 @@ impl crate::CursorStore for NatsStore {
     }
 
     async fn follow_commits(&self, mut seen: OnCommit) {
-        loop {
-            if let Ok(mut w) = self.state.op("watch", |st| async move { st.watch("cursor.>").await }).await {
-                while let Some(Ok(e)) = w.next().await {
-                    if e.operation != Operation::Put {
-                        continue;
-                    }
-                    let Some(fp) = e.key.strip_prefix("cursor.") else { continue };
-                    if let Ok(Stored { cursor: Some(c), reset, .. }) = Stored::decode(&e.value) {
-                        seen(fp, c, reset);
-                    }
+        self.state
+            .follow("cursor.>", |e| {
+                let Some(fp) = e.key.strip_prefix("cursor.").filter(|_| e.operation == Operation::Put) else { return };
+                if let Ok(Stored { cursor: Some(c), reset, .. }) = Stored::decode(&e.value) {
+                    seen(fp, c, reset);
                 }
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+            })
+            .await;
     }
 }
 

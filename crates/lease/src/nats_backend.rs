@@ -25,7 +25,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use nats_op::async_nats::jetstream::kv::{self, Operation, UpdateErrorKind};
 use nats_op::{Bucket, Nats, NatsError, bucket_name};
 use tokio::sync::Notify;
@@ -282,19 +281,15 @@ impl Backend for NatsBackend {
     }
 }
 
-/// Watches `leader` and wakes standbys when it is deleted (a release), re-watching after
-/// errors and reconnects.
+/// Watches `leader` and wakes standbys when it is deleted (a release).
 async fn watch_releases(lease: Bucket, released: Arc<Notify>) {
-    loop {
-        if let Ok(mut w) = lease.op("watch", |st| async move { st.watch(LEADER).await }).await {
-            while let Some(Ok(e)) = w.next().await {
-                if matches!(e.operation, Operation::Delete | Operation::Purge) {
-                    released.notify_waiters();
-                }
+    lease
+        .follow(LEADER, |e| {
+            if matches!(e.operation, Operation::Delete | Operation::Purge) {
+                released.notify_waiters();
             }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+        })
+        .await;
 }
 
 #[cfg(test)]

@@ -318,6 +318,20 @@ impl Bucket {
         self.op("read", |st| async move { st.entry(key).await }).await.map(live)
     }
 
+    /// Calls `f` with every change of `key` (or of the keys a pattern like `cursor.>`
+    /// names), watching again after errors and reconnects; returns only when dropped.
+    pub async fn follow(&self, key: &'static str, mut f: impl FnMut(kv::Entry) + Send) {
+        use futures_util::StreamExt as _;
+        loop {
+            if let Ok(mut w) = self.op("watch", |st| async move { st.watch(key).await }).await {
+                while let Some(Ok(e)) = w.next().await {
+                    f(e);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     /// Compare-and-set: writes `value` if the key is still at `rev` (`None`: absent,
     /// deleted or purged) and returns the new revision; `Ok(None)` when another writer
     /// got there first.
