@@ -198,8 +198,11 @@ impl Handler for JetStream {
         true
     }
 
+    /// Large: a lane waits for every acknowledgement of a batch before the next, so
+    /// larger batches keep more publishes in flight (256: 28k frames/s on the bench
+    /// machine, 1024: 70k, 4096: no better).
     fn max_batch(&self) -> usize {
-        256
+        1024
     }
 }
 
