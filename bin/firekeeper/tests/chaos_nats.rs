@@ -60,9 +60,14 @@ async fn nats_sigterm_leader_hands_over_without_duplicates() {
     let (mut c, l, _) = started("nterm", nats_spec(2)).await;
     progress(&c, 500).await;
     assert!(c.replicas[l].sigterm().await, "graceful exit 0");
-    c.wait_leader(Some(l)).await;
+    let (l2, t2) = c.wait_leader(Some(l)).await;
     c.wait_complete().await;
     assert_eq!(c.check(), 0, "a graceful handover duplicates nothing");
+    // `lease show` reads the NATS lease: the new leader's holder value and the fence.
+    let out = testkit::proc::run_once(&c.replicas[l2].env, &["lease", "show"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.starts_with("holder ") && text.contains(&format!(":{t2} fence {t2} ")), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
