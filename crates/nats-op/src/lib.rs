@@ -21,18 +21,22 @@ use tokio::sync::Mutex;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NatsError {
     /// The operation did not finish in time; the connection is being replaced.
-    #[error("NATS {what} timed out after {after:?}")]
+    #[error("NATS {addr}: {what} timed out after {after:?}")]
     Timeout {
         /// The operation.
         what: &'static str,
+        /// The server, as `host:port`.
+        addr: String,
         /// The bound.
         after: Duration,
     },
     /// The server could not be reached or refused the operation.
-    #[error("NATS {what} failed: {detail}")]
+    #[error("NATS {addr}: {what} failed: {detail}")]
     Unavailable {
         /// The operation.
         what: &'static str,
+        /// The server, as `host:port`.
+        addr: String,
         /// Why (never holds credentials).
         detail: String,
     },
@@ -125,10 +129,11 @@ impl Nats {
             }
         });
         let url = if cfg.url.contains("://") { cfg.url.clone() } else { format!("nats://{}", cfg.url) };
-        let client = opts
-            .connect(url.as_str())
-            .await
-            .map_err(|e| NatsError::Unavailable { what: "connect", detail: format!("{addr}: {}", e.kind()) })?;
+        let client = opts.connect(url.as_str()).await.map_err(|e| NatsError::Unavailable {
+            what: "connect",
+            addr: addr.clone(),
+            detail: e.kind().to_string(),
+        })?;
         let js = jetstream::new(client.clone());
         Ok(Self { client, js, op_timeout: cfg.op_timeout, addr })
     }
@@ -176,13 +181,13 @@ impl Nats {
     ) -> Result<T, NatsError> {
         match tokio::time::timeout(after, f).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(NatsError::Unavailable { what, detail: e.to_string() }),
+            Ok(Err(e)) => Err(NatsError::Unavailable { what, addr: self.addr.clone(), detail: e.to_string() }),
             Err(_) => {
                 let c = self.client.clone();
                 tokio::spawn(async move {
                     let _ = c.force_reconnect().await;
                 });
-                Err(NatsError::Timeout { what, after })
+                Err(NatsError::Timeout { what, addr: self.addr.clone(), after })
             }
         }
     }
@@ -287,7 +292,11 @@ impl Bucket {
     ) -> Result<T, NatsError> {
         let run = async {
             let st = self.store().await?;
-            f(st).await.map_err(|e| NatsError::Unavailable { what, detail: e.to_string() })
+            f(st).await.map_err(|e| NatsError::Unavailable {
+                what,
+                addr: self.nats.addr.clone(),
+                detail: e.to_string(),
+            })
         };
         // Boxed: the client's futures are large, and every caller would carry them.
         let out = if let Ok(r) = tokio::time::timeout(self.nats.op_timeout, Box::pin(run)).await {
@@ -297,7 +306,7 @@ impl Bucket {
             tokio::spawn(async move {
                 let _ = c.force_reconnect().await;
             });
-            Err(NatsError::Timeout { what, after: self.nats.op_timeout })
+            Err(NatsError::Timeout { what, addr: self.nats.addr.clone(), after: self.nats.op_timeout })
         };
         if out.is_err() {
             self.invalidate().await;
@@ -371,6 +380,23 @@ mod tests {
         };
         let shown = format!("{cfg:?}");
         assert!(!shown.contains("hunter2") && !shown.contains("t0ken"), "{shown}");
+    }
+
+    /// Errors name the server by address only, and the operation.
+    #[tokio::test]
+    async fn errors_name_the_server_and_the_operation_without_credentials() {
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("port");
+        let cfg = NatsConfig {
+            url: format!("nats://user:hunter2@127.0.0.1:{port}"),
+            creds_file: None,
+            token: None,
+            op_timeout: Duration::from_millis(200),
+        };
+        let n = Nats::connect(&cfg).await.expect("connects in the background");
+        let b = Bucket::new(n, "x-state".into(), Duration::ZERO);
+        let e = b.read("k".into()).await.expect_err("nothing listens there").to_string();
+        assert!(e.contains(&format!("127.0.0.1:{port}")) && e.contains("bucket") && !e.contains("hunter2"), "{e}");
     }
 
     #[test]
