@@ -140,6 +140,43 @@ async fn latency_on_the_leaders_nats_link_below_the_op_timeout_does_not_flap() {
     assert_eq!(c.check(), 0);
 }
 
+/// Renewals and commits reach NATS, their answers never come back: the leader stops at
+/// its deadline, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_on_the_leaders_nats_link_lose_nothing() {
+    let (c, l, _) = started("nlost", nats_spec(2)).await;
+    progress(&c, 300).await;
+    c.proxies[l].set_flow(testkit::Flow::DropReplies);
+    let t0 = Instant::now();
+    let deadline = Instant::now() + testkit::WAIT;
+    while c.replicas[l].status().await.is_some_and(|s| s["role"] == "leader") {
+        assert!(Instant::now() < deadline, "the leader never noticed its replies were lost");
+        sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("nats lost replies: the leader stopped after {:?}", t0.elapsed());
+    c.proxies[l].set_flow(testkit::Flow::Pass);
+    c.wait_leader(None).await;
+    c.wait_complete().await;
+    c.check();
+}
+
+/// No reset, no answer on the leader's NATS link: it hands over at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_nats_link_to_the_leader_hands_over_at_its_deadline() {
+    let (c, l, t) = started("nhalf", nats_spec(2)).await;
+    progress(&c, 300).await;
+    c.proxies[l].set_flow(testkit::Flow::Blackhole);
+    let t0 = Instant::now();
+    let (l2, t2) = c.wait_leader(Some(l)).await;
+    eprintln!("nats half-open link: handover after {:?}", t0.elapsed());
+    assert!(t2 > t && l2 != l);
+    let s = c.replicas[l].status().await.expect("status");
+    assert_ne!(s["role"], "leader", "the cut-off leader stopped");
+    c.proxies[l].set_flow(testkit::Flow::Pass);
+    c.wait_complete().await;
+    c.check();
+}
+
 /// Every message of the `FIREKEEPER` stream: (subject, `Nats-Msg-Id`, body).
 async fn stream(url: &str) -> Vec<(String, String, serde_json::Value)> {
     let cfg =

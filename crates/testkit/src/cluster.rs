@@ -507,17 +507,20 @@ impl Cluster {
         m
     }
 
-    /// Waits until every seq appears in some output.
+    /// Waits until every seq appears in some output and the stored cursor reached the last.
     pub async fn wait_complete(&self) {
         let deadline = Instant::now() + WAIT;
         loop {
             let seen = self.seen();
-            if seen.len() as u64 == self.total {
+            // The last seqs are written before the commit that covers them (at the next
+            // commit tick): wait for that commit too, as the oracle checks it.
+            let committed = self.cursor_history.lock().expect("history").last().copied();
+            if seen.len() as u64 == self.total && committed == Some(self.total) {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "only {} of {} seqs arrived; first missing {:?}; logs in {}",
+                "only {} of {} seqs arrived (stored cursor {committed:?}); first missing {:?}; logs in {}",
                 seen.len(),
                 self.total,
                 (1..=self.total).find(|s| !seen.contains_key(s)),
