@@ -336,13 +336,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_commit_racing_a_newer_claim_is_refused() {
         let server = testkit::NatsServer::start();
-        let cfg = nats_op::NatsConfig {
-            url: server.url(),
-            creds_file: None,
-            token: None,
-            op_timeout: Duration::from_secs(2),
-        };
-        let s = NatsStore::new(&Nats::connect(&cfg).await.expect("connect"), "race");
+        let s = NatsStore::new(&server.connect(Duration::from_secs(2)).await, "race");
         let fp = "ab".repeat(32);
         let keys = [RelayKey { fingerprint: &fp, host_port: "r:443", is_root: true }];
         s.on_elected(Fence { holder: "a:1", token: 1 }, &keys).await.expect("a claims");

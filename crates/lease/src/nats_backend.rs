@@ -302,13 +302,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_candidate_overtaken_between_fence_and_key_backs_off() {
         let server = testkit::NatsServer::start();
-        let cfg = nats_op::NatsConfig {
-            url: server.url(),
-            creds_file: None,
-            token: None,
-            op_timeout: Duration::from_secs(2),
-        };
-        let n = Nats::connect(&cfg).await.expect("connect");
+        let n = server.connect(Duration::from_secs(2)).await;
         let a = NatsBackend::new(&n, "race", Duration::from_secs(5));
         let b = NatsBackend::new(&n, "race", Duration::from_secs(5));
         let overtake = async {

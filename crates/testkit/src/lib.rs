@@ -318,6 +318,15 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// A connection to this server (no credentials) bounded by `op_timeout`.
+    ///
+    /// # Panics
+    /// When the settings are refused (they cannot be: no credentials file).
+    pub async fn connect(&self, op_timeout: Duration) -> nats_op::Nats {
+        let cfg = nats_op::NatsConfig { url: self.url(), creds_file: None, token: None, op_timeout };
+        nats_op::Nats::connect(&cfg).await.expect("connect")
+    }
+
     /// SIGSTOP: the server keeps its sockets but answers nothing.
     pub fn pause(&self) {
         self.child.signal("-STOP", "nats-server");
