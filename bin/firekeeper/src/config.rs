@@ -308,8 +308,7 @@ impl Vars {
     /// `NATS_URL` with its credentials; `None` when unset.
     fn nats(&mut self, op_timeout: Duration) -> Option<NatsConfig> {
         let url = self.text("NATS_URL")?;
-        let with_scheme = if url.contains("://") { url.clone() } else { format!("nats://{url}") };
-        match url::Url::parse(&with_scheme) {
+        match url::Url::parse(&nats_op::with_scheme(&url)) {
             Ok(u) if matches!(u.scheme(), "nats" | "tls") && u.host_str().is_some() => {}
             // Not echoed: it may carry credentials.
             _ => self.errors.push("NATS_URL is not a nats:// or tls:// URL with a host".into()),

@@ -69,12 +69,17 @@ impl std::fmt::Debug for NatsConfig {
     }
 }
 
+/// A NATS URL with its scheme: `host:port` alone means `nats://host:port`.
+#[must_use]
+pub fn with_scheme(url: &str) -> String {
+    if url.contains("://") { url.to_owned() } else { format!("nats://{url}") }
+}
+
 /// `host:port` of a NATS URL: what logs and errors may show (no user, password or
 /// token).
 #[must_use]
 pub fn redact(url: &str) -> String {
-    let with_scheme = if url.contains("://") { url.to_owned() } else { format!("nats://{url}") };
-    match url::Url::parse(&with_scheme) {
+    match url::Url::parse(&with_scheme(url)) {
         Ok(u) => format!("{}:{}", u.host_str().unwrap_or("?"), u.port().unwrap_or(4222)),
         Err(_) => "<unparseable NATS URL>".to_owned(),
     }
@@ -128,7 +133,7 @@ impl Nats {
                 }
             }
         });
-        let url = if cfg.url.contains("://") { cfg.url.clone() } else { format!("nats://{}", cfg.url) };
+        let url = with_scheme(&cfg.url);
         let client = opts.connect(url.as_str()).await.map_err(|e| NatsError::Unavailable {
             what: "connect",
             addr: addr.clone(),
@@ -172,6 +177,16 @@ impl Nats {
         self.bounded_for(what, self.op_timeout, f).await
     }
 
+    /// The error of an operation that outlived `after`; the connection may be half-open,
+    /// so it is replaced in the background.
+    fn timed_out(&self, what: &'static str, after: Duration) -> NatsError {
+        let c = self.client.clone();
+        tokio::spawn(async move {
+            let _ = c.force_reconnect().await;
+        });
+        NatsError::Timeout { what, addr: self.addr.clone(), after }
+    }
+
     /// [`Nats::bounded`] with its own bound.
     pub async fn bounded_for<T, E: Display>(
         &self,
@@ -182,13 +197,7 @@ impl Nats {
         match tokio::time::timeout(after, f).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(NatsError::Unavailable { what, addr: self.addr.clone(), detail: e.to_string() }),
-            Err(_) => {
-                let c = self.client.clone();
-                tokio::spawn(async move {
-                    let _ = c.force_reconnect().await;
-                });
-                Err(NatsError::Timeout { what, addr: self.addr.clone(), after })
-            }
+            Err(_) => Err(self.timed_out(what, after)),
         }
     }
 }
@@ -302,11 +311,7 @@ impl Bucket {
         let out = if let Ok(r) = tokio::time::timeout(self.nats.op_timeout, Box::pin(run)).await {
             r
         } else {
-            let c = self.nats.client.clone();
-            tokio::spawn(async move {
-                let _ = c.force_reconnect().await;
-            });
-            Err(NatsError::Timeout { what, addr: self.nats.addr.clone(), after: self.nats.op_timeout })
+            Err(self.nats.timed_out(what, self.nats.op_timeout))
         };
         if out.is_err() {
             self.invalidate().await;
