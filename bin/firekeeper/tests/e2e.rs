@@ -16,12 +16,14 @@ use tokio::io::AsyncWriteExt;
 
 const TOTAL: u64 = 1476;
 
-/// seq → how many lines carry it, over all the given jsonl files.
+/// seq → how many lines carry it, over all the given jsonl files. Only whole lines
+/// count: a file read while its writer is mid-write ends in a partial line.
 fn seqs_in(files: &[PathBuf]) -> BTreeMap<u64, usize> {
     let mut m = BTreeMap::new();
     for f in files {
         let Ok(text) = std::fs::read_to_string(f) else { continue };
-        for line in text.lines() {
+        let whole = text.rfind('\n').map_or("", |i| &text[..=i]);
+        for line in whole.lines() {
             let v: serde_json::Value = serde_json::from_str(line).expect("every line is JSON");
             assert_eq!(v["seq"], v["event"]["seq"], "envelope and event agree");
             *m.entry(v["seq"].as_u64().expect("seq")).or_insert(0) += 1;
