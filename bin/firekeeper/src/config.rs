@@ -435,6 +435,7 @@ impl Vars {
             verify_blocks: matches!(self.choice("FIREKEEPER_VERIFY_BLOCKS"), "true" | "1" | "yes"),
             switch_overlap: self.ms("FIREKEEPER_SWITCH_OVERLAP_MS"),
             switch_max_probes: u32::try_from(self.count("FIREKEEPER_SWITCH_MAX_PROBES")).unwrap_or(40),
+            switch_skew: self.ms("FIREKEEPER_SWITCH_SKEW_MS"),
             gap: match self.choice("FIREKEEPER_GAP") {
                 "live" => GapPolicy::Live,
                 _ => GapPolicy::Fail,
@@ -496,6 +497,11 @@ impl Config {
         let sink = v.sink();
         v.check_stream_names(&sink);
         v.check_pairing(store, &sink, lease_backend, database_url.is_some(), nats.is_some());
+        if (lease_backend == LeaseKind::Nats || store == StoreKind::Nats)
+            && let Some(problem) = nats_op::prefix_problem(&lease.key_prefix)
+        {
+            v.errors.push(format!("FIREKEEPER_KEY_PREFIX: {problem}"));
+        }
         let http_addr = v.http_addr();
         let client = v.client();
         let options = v.options(lease.ttl);
@@ -593,8 +599,8 @@ mod tests {
             (o.lanes, o.queue_depth, o.commit_interval, o.drain_budget)
         );
         assert_eq!(
-            (c.options.switch_overlap, c.options.switch_max_probes, c.options.gap),
-            (o.switch_overlap, o.switch_max_probes, o.gap)
+            (c.options.switch_overlap, c.options.switch_max_probes, c.options.gap, c.options.switch_skew),
+            (o.switch_overlap, o.switch_max_probes, o.gap, o.switch_skew)
         );
         let live = cfg(&[("FIREKEEPER_GAP", "live"), ("FIREKEEPER_SWITCH_OVERLAP_MS", "5000")]).expect("valid");
         assert_eq!((live.options.gap, live.options.switch_overlap), (GapPolicy::Live, Duration::from_secs(5)));
@@ -686,6 +692,7 @@ mod tests {
                 "fenced by the Redis lease",
             ),
             (&[("NATS_URL", "nats://h:1"), ("NATS_CREDS", "/nonexistent.creds")][..], "NATS_CREDS"),
+            (&[("NATS_URL", "nats://h:1"), ("FIREKEEPER_KEY_PREFIX", "prod.eu")][..], "FIREKEEPER_KEY_PREFIX"),
             (
                 &[("NATS_URL", "nats://h:1"), ("FIREKEEPER_SINK", "nats"), ("FIREKEEPER_NATS_STREAM", "a.b")][..],
                 "FIREKEEPER_NATS_STREAM",

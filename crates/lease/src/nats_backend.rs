@@ -1,8 +1,10 @@
 //! The NATS JetStream KV lease store.
 //!
-//! Two buckets per deployment (`<prefix>` made bucket-safe):
+//! Two buckets per deployment (`<prefix>` must be bucket-safe, `[A-Za-z0-9_-]`: it is
+//! refused otherwise, never folded):
 //! - `<prefix>-lease`, whose entries expire `ttl` after their last write (the bucket's
-//!   max age): key `leader` = `<instance>:<token>`. `create` wins it, `update` with the
+//!   max age, raised to the largest ttl any replica opened it with and never lowered, so
+//!   a replica with a shorter ttl cannot expire a running leader's key early): key `leader` = `<instance>:<token>`. `create` wins it, `update` with the
 //!   revision read renews it, `delete` with that revision releases it.
 //! - `<prefix>-state`, never expiring: key `fence` = the last token issued, and
 //!   `fence-seen` = the highest token a cursor commit presented (written by the NATS
@@ -87,7 +89,8 @@ impl Drop for NatsBackend {
 
 impl NatsBackend {
     /// Buckets under `prefix`; the lease bucket's entries expire `ttl` after their last
-    /// write (the bucket is updated to that age if it exists with another).
+    /// write (an existing bucket with a shorter age limit is raised to `ttl`; one with a
+    /// longer limit is kept).
     #[must_use]
     pub fn new(nats: &Nats, prefix: &str, ttl: Duration) -> Self {
         let lease = Bucket::new(nats.clone(), bucket_name(prefix, "lease"), ttl);
@@ -189,6 +192,9 @@ impl Backend for NatsBackend {
 
     async fn renew(&self, instance: &str, token: u64, _ttl: Duration) -> Result<Renew, BackendError> {
         let value = format!("{instance}:{token}");
+        // Something may have lowered the lease bucket's age limit below this term's ttl
+        // (an older replica, an operator): raise it before relying on it again.
+        self.lease.ensure_age().await?;
         if let Some((v, rev)) = self.read(&self.lease, LEADER).await? {
             if v.as_ref() != value.as_bytes() {
                 return Ok(Renew::TakenBy { holder: String::from_utf8_lossy(&v).into_owned() });

@@ -349,3 +349,70 @@ async fn an_unrenewed_key_expires_after_the_ttl() {
     eprintln!("expired after {took:?}");
     assert!(took >= Duration::from_secs(1), "not before the ttl: {took:?}");
 }
+
+/// A rolling change of the ttl (10 s → 1 s): a replica that opens the lease bucket with
+/// the shorter ttl must not shorten the running leader's key. Before the fix, opening the
+/// bucket lowered its age limit to the opener's ttl, the leader's key expired between two
+/// renewals while its own deadline still ran, and the new replica started a second term
+/// (two active at once for ~0.9 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_a_shorter_ttl_never_shortens_the_leaders_key() {
+    let server = NatsServer::start();
+    let long = LeaseConfig {
+        poll: Duration::from_millis(100),
+        key_prefix: "rolling".into(),
+        ..LeaseConfig::from_ttl(Duration::from_secs(10))
+    };
+    let short = LeaseConfig {
+        poll: Duration::from_millis(100),
+        key_prefix: "rolling".into(),
+        ..LeaseConfig::from_ttl(Duration::from_secs(1))
+    };
+    let mut a = node_with(&server.url(), long.clone(), "a").await;
+    let term_a = elected(&mut a).await;
+    let mut b = node_with(&server.url(), short, "b").await;
+    // b contends for several of its ttls, polling every 100 ms, while a renews every ~2 s:
+    // a key living only 1 s would expire between a's renewals.
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        assert!(term_a.is_active(), "a's term runs");
+        if let Ok(LeaseEvent::Elected(t)) = b.events.try_recv() {
+            panic!("b started term {} while a's term {} was active", t.token(), term_a.token());
+        }
+        sleep(Duration::from_millis(20)).await;
+    }
+    // The bucket kept the longer age, and a renewal raises it back when something lowers it.
+    let n = nats(&server.url(), Duration::from_secs(1)).await;
+    let js = n.jetstream();
+    let mut info = js.get_stream("KV_rolling-lease").await.expect("stream").cached_info().config.clone();
+    assert_eq!(info.max_age, Duration::from_secs(10), "never lowered");
+    info.max_age = Duration::from_millis(500);
+    js.update_stream(info).await.expect("an operator lowers it");
+    let raised = async {
+        loop {
+            let age = js.get_stream("KV_rolling-lease").await.expect("stream").cached_info().config.max_age;
+            if age == Duration::from_secs(10) {
+                return;
+            }
+            sleep(Duration::from_millis(50)).await;
+        }
+    };
+    timeout(WAIT, raised).await.expect("the leader's renewal raised the age limit again");
+    assert!(term_a.is_active(), "a still leads");
+    no_event(&mut b);
+    drop((a, b));
+    let _ = long;
+}
+
+/// Key prefixes that NATS bucket names cannot hold are refused, never folded: `prod.eu`
+/// used to share `prod_eu`'s buckets (one could not lead while the other ran).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefixes_that_would_share_buckets_are_refused() {
+    let server = NatsServer::start();
+    let n = nats(&server.url(), Duration::from_millis(500)).await;
+    let underscore = NatsBackend::new(&n, "prod_eu", Duration::from_secs(5));
+    let dot = NatsBackend::new(&n, "prod.eu", Duration::from_secs(5));
+    assert!(matches!(underscore.acquire("a", Duration::from_secs(5), 0).await, Ok(Acquire::Acquired { token: 1 })));
+    let e = dot.acquire("b", Duration::from_secs(5), 0).await.expect_err("refused").to_string();
+    assert!(e.contains("prod.eu") && e.contains("prefix"), "{e}");
+}

@@ -216,12 +216,28 @@ impl std::fmt::Debug for Bucket {
     }
 }
 
-/// A bucket name from a key prefix: NATS allows `[A-Za-z0-9_-]`.
+/// Why `prefix` cannot name buckets: NATS allows only `[A-Za-z0-9_-]` in a bucket name,
+/// and folding other characters would make distinct prefixes (`prod.eu`, `prod_eu`)
+/// share one deployment's lease, fences and cursors.
+#[must_use]
+pub fn prefix_problem(prefix: &str) -> Option<String> {
+    if prefix.is_empty() {
+        return Some("the key prefix is empty; NATS buckets need a name".into());
+    }
+    let bad: String = prefix.chars().filter(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-')).collect();
+    (!bad.is_empty()).then(|| {
+        format!(
+            "the key prefix {prefix:?} has characters a NATS bucket name cannot hold ({bad:?}); use only letters, \
+             digits, `_` and `-` (folding them would let distinct prefixes share buckets)"
+        )
+    })
+}
+
+/// A bucket name from a key prefix, one-to-one: `<prefix>-<what>`. A prefix with
+/// characters NATS does not allow gives a name [`Bucket`] refuses (see [`prefix_problem`]).
 #[must_use]
 pub fn bucket_name(prefix: &str, what: &str) -> String {
-    let clean: String =
-        prefix.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect();
-    format!("{clean}-{what}")
+    format!("{prefix}-{what}")
 }
 
 impl Bucket {
@@ -237,6 +253,17 @@ impl Bucket {
             ..kv::Config::default()
         };
         Self { nats, config, store: Arc::new(Mutex::new(None)) }
+    }
+
+    /// Why this bucket's name cannot be used, if it cannot.
+    fn name_problem(&self) -> Option<String> {
+        let name = &self.config.bucket;
+        let prefix = name.rsplit_once('-').map_or(name.as_str(), |(p, _)| p);
+        prefix_problem(prefix).or_else(|| {
+            name.chars()
+                .any(|c| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+                .then(|| format!("bucket name {name:?} has characters NATS does not allow"))
+        })
     }
 
     /// The connection.
@@ -262,6 +289,9 @@ impl Bucket {
         if let Some(st) = s.as_ref() {
             return Ok(st.clone());
         }
+        if let Some(problem) = self.name_problem() {
+            return Err(NatsError::Config(problem));
+        }
         let js = self.nats.js.clone();
         let cfg = jetstream::stream::Config {
             name: format!("KV_{}", self.config.bucket),
@@ -277,13 +307,65 @@ impl Bucket {
             ..jetstream::stream::Config::default()
         };
         let stream = self.nats.bounded("create bucket", js.get_or_create_stream(cfg.clone())).await?;
-        if stream.cached_info().config.max_age != cfg.max_age {
-            tracing::info!(bucket = %self.config.bucket, max_age = ?cfg.max_age, "updating the bucket's age limit");
-            self.nats.bounded("update bucket", js.update_stream(cfg)).await?;
-        }
+        self.keep_age_at_least(&stream).await?;
         let st = self.nats.bounded("open bucket", js.get_key_value(self.config.bucket.clone())).await?;
         *s = Some(st.clone());
         Ok(st)
+    }
+
+    /// Raises the bucket's age limit to the configured one when it is lower; never lowers
+    /// it. Entries of a bucket are the lease keys of every replica: a replica started with
+    /// a shorter ttl (a rolling change of it) must not make the running leader's key
+    /// expire before that leader's own deadline, which would let a second term start
+    /// while the first still acts. A longer limit only makes a crashed leader's takeover
+    /// wait longer, which is logged.
+    async fn keep_age_at_least(&self, stream: &jetstream::stream::Stream) -> Result<(), NatsError> {
+        let want = self.config.max_age;
+        let mut cfg = stream.cached_info().config.clone();
+        let have = cfg.max_age;
+        let longer =
+            |a: Duration, b: Duration| (a.is_zero() && !b.is_zero()) || (!b.is_zero() && !a.is_zero() && a > b);
+        if have == want || longer(have, want) {
+            if have != want {
+                tracing::warn!(
+                    bucket = %self.config.bucket,
+                    bucket_max_age_ms = have.as_millis() as u64,
+                    configured_ms = want.as_millis() as u64,
+                    "the bucket keeps entries longer than configured (another replica's, or an earlier, ttl); it is \
+                     never lowered while replicas may rely on it: a crashed leader's key lives that long. To lower \
+                     it, stop every replica and delete the bucket"
+                );
+            }
+            return Ok(());
+        }
+        tracing::warn!(
+            bucket = %self.config.bucket,
+            from_ms = have.as_millis() as u64,
+            to_ms = want.as_millis() as u64,
+            "raising the bucket's age limit to the configured ttl"
+        );
+        cfg.max_age = want;
+        self.nats.bounded("update bucket", self.nats.js.update_stream(cfg)).await?;
+        Ok(())
+    }
+
+    /// Checks the bucket's age limit against the configured one and raises it when
+    /// something lowered it (an older replica, an operator): each lease renewal calls it.
+    pub async fn ensure_age(&self) -> Result<(), NatsError> {
+        if let Some(problem) = self.name_problem() {
+            return Err(NatsError::Config(problem));
+        }
+        let js = self.nats.js.clone();
+        let name = format!("KV_{}", self.config.bucket);
+        let run = async {
+            let stream = self.nats.bounded("bucket info", js.get_stream(name)).await?;
+            self.keep_age_at_least(&stream).await
+        };
+        let out = Box::pin(run).await;
+        if out.is_err() {
+            self.invalidate().await;
+        }
+        out
     }
 
     /// Forgets the handle after a failure, so the next call looks the bucket up again
@@ -405,8 +487,13 @@ mod tests {
     }
 
     #[test]
-    fn bucket_names_keep_to_what_nats_allows() {
+    fn prefixes_map_one_to_one_or_are_refused() {
         assert_eq!(bucket_name("firekeeper", "lease"), "firekeeper-lease");
-        assert_eq!(bucket_name("fk:{prod}", "cursors"), "fk__prod_-cursors");
+        assert_eq!(prefix_problem("prod_eu"), None);
+        assert_eq!(prefix_problem("prod-eu-2"), None);
+        for bad in ["prod.eu", "fk:{prod}", "a b", "é", ""] {
+            assert!(prefix_problem(bad).is_some(), "{bad:?} is refused");
+        }
+        assert_ne!(bucket_name("prod.eu", "lease"), bucket_name("prod_eu", "lease"));
     }
 }
