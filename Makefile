@@ -2,7 +2,7 @@
 #   make run     relay-sim replays the fixture; firekeeper consumes it on embedded defaults
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
 #   make bench   decode benchmark (criterion), the chain check's memory, figures through the real binary
-#   make chaos   the fault suite at scale 4 (make test runs it at scale 1)
+#   make chaos   the fault suites (Redis and NATS) at scale 4 (make test runs both at scale 1)
 #   make soak    30 minutes of random faults under the chaos oracle (make test runs 20 s)
 #   make lint    the CI style gates: rustfmt check, clippy (pedantic) with warnings as errors
 
@@ -33,10 +33,10 @@ bench: deps
 	$(CARGO) bench -p firekeeper --bench cluster
 
 chaos: deps
-	FIREKEEPER_CHAOS_SCALE=4 $(CARGO) nextest run -p firekeeper --test chaos --no-fail-fast
+	FK_TEST_CHAOS_SCALE=4 $(CARGO) nextest run -p firekeeper --test chaos --test chaos_nats --no-fail-fast
 
 soak: deps
-	FIREKEEPER_SOAK_SECS=$${FIREKEEPER_SOAK_SECS:-1800} $(CARGO) nextest run -p firekeeper --test chaos --no-capture -E 'test(soak)'
+	FK_TEST_SOAK_SECS=$${FK_TEST_SOAK_SECS:-1800} $(CARGO) nextest run -p firekeeper --test chaos --no-capture -E 'test(soak)'
 
 lint:
 	$(CARGO) fmt --all --check

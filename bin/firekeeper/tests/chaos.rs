@@ -1,6 +1,6 @@
 //! The fault suite: three real replicas, redis-server, relay-sim and a TCP proxy per
 //! replica, with an oracle over every replica's output. `make test` runs it at scale 1;
-//! `make chaos` sets `FIREKEEPER_CHAOS_SCALE=4` (longer streams, more repetitions).
+//! `make chaos` sets `FK_TEST_CHAOS_SCALE=4` (longer streams, more repetitions).
 //!
 //! The oracle checks: no seq missing; within a process tokens never go down; the stored
 //! cursor never regresses and ends at the last seq; duplicates only where a crash (or a
@@ -12,7 +12,7 @@ use testkit::cluster::{Cluster, Spec};
 use tokio::time::sleep;
 
 fn scale() -> usize {
-    std::env::var("FIREKEEPER_CHAOS_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+    std::env::var("FK_TEST_CHAOS_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
 }
 
 async fn started(name: &str, spec: Spec) -> (Cluster, usize, u64) {
@@ -382,11 +382,11 @@ async fn failover_to_a_lagging_redis_replica_replays_but_never_loses_or_reuses_a
 
 /// Random kills, pauses, partitions, half-open links, Redis stalls and relay drops under
 /// the oracle. `make test` runs it for 20 s; `make soak` for 30 minutes
-/// (`FIREKEEPER_SOAK_SECS`). The seed is printed; `FIREKEEPER_SOAK_SEED` replays a run.
+/// (`FK_TEST_SOAK_SECS`). The seed is printed; `FK_TEST_SOAK_SEED` replays a run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_random_faults_under_the_oracle() {
-    let secs: u64 = std::env::var("FIREKEEPER_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
-    let seed: u64 = std::env::var("FIREKEEPER_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+    let secs: u64 = std::env::var("FK_TEST_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let seed: u64 = std::env::var("FK_TEST_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
     });
     let rate = if secs <= 60 { 300 } else { 50 };

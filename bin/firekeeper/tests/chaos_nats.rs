@@ -12,7 +12,7 @@ use testkit::cluster::{Cluster, Spec};
 use tokio::time::sleep;
 
 fn scale() -> usize {
-    std::env::var("FIREKEEPER_CHAOS_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+    std::env::var("FK_TEST_CHAOS_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
 }
 
 fn nats_spec(copies: usize) -> Spec {

@@ -325,6 +325,10 @@ fn preseed(
         for relay in std::iter::once("primary").chain(preseed_secondary) {
             let out = std::process::Command::new(&bin)
                 .args(["cursor", "set", "0", "--relay", relay])
+                // Only what the spec sets: the test process's own variables (its knobs
+                // among them) are not the binary's settings.
+                .env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_default())
                 .envs(base.iter())
                 .env("NATS_URL", n.url())
                 .env("FIREKEEPER_DATA_DIR", dir.join("preseed"))
