@@ -193,7 +193,7 @@ pub const SETTINGS: &[Setting] = &[
         default: "120000",
         shown: None,
         kind: Kind::Millis,
-        help: "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<seq>`) to drop events a new leader publishes again: keep it well above the lease ttl",
+        help: "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<numbering epoch>:<seq>`) to drop events a new leader publishes again: keep it well above the lease ttl",
     },
     Setting {
         name: "FIREKEEPER_JSONL_PATH",
@@ -242,7 +242,7 @@ pub const SETTINGS: &[Setting] = &[
         default: "firekeeper",
         shown: None,
         kind: Kind::Text,
-        help: "Redis keys are `{prefix}:lease`, `{prefix}:fence`, `{prefix}:cursor:<fingerprint>` (one hash tag); NATS buckets `<prefix>-lease` and `<prefix>-state`",
+        help: "Redis keys are `{prefix}:lease`, `{prefix}:fence`, `{prefix}:cursor:<fingerprint>` (one hash tag); NATS buckets `<prefix>-lease` and `<prefix>-state` (with NATS the prefix must be letters, digits, `_` or `-`: other characters are refused, never folded)",
     },
     Setting {
         name: "FIREKEEPER_LEGACY_CURSOR_PREFIX",
@@ -375,7 +375,14 @@ pub const SETTINGS: &[Setting] = &[
         default: "fail",
         shown: None,
         kind: Kind::Choice(&["fail", "live"]),
-        help: "when the relay switched to does not serve events back to where the other stopped: `fail` (stop leading with an error naming the relay and the missing time range) or `live` (start at its oldest event; logged, counted in `firekeeper_gaps_total{reason=\"switch\"}`, shown as `last_gap` in `/status`)",
+        help: "when the relay switched to does not serve events back to where the other stopped: `fail` (refuse the switch: stay leader, keep retrying the relay that has the events, re-probe the other every `FIREKEEPER_PROBE_INTERVAL_MS`, not ready on `/readyz`, the missing range in `/status` as `refused_switch`, counted in `firekeeper_switch_refused_total`; nothing exits) or `live` (start at its oldest event; logged, counted in `firekeeper_gaps_total{reason=\"switch\"}`, shown as `last_gap` in `/status`)",
+    },
+    Setting {
+        name: "FIREKEEPER_SWITCH_SKEW_MS",
+        default: "5000",
+        shown: None,
+        kind: Kind::Millis,
+        help: "how far PDS clocks are trusted on a switch: event times ahead of this process's clock by more are clamped, and a relay whose oldest events are older than the committed position less this has no gap (a shorter overlap, counted in `firekeeper_switch_overlap_short_total`)",
     },
     Setting {
         name: "FIREKEEPER_CHAIN_BREAKS",

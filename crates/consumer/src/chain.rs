@@ -194,6 +194,16 @@ impl Chains {
         }
     }
 
+    /// True when `rev` of `repo` is at or below the repo's last rev here: a commit that
+    /// was handed over (or superseded by a `#sync`), so a relay serving it again repeats
+    /// it. False when the repo is not remembered or the rev is not a TID.
+    #[must_use]
+    pub fn covers(&self, repo: &str, rev: &str) -> bool {
+        let Some(r) = tid(rev) else { return false };
+        let key = self.keys.hash_one(repo);
+        self.young.get(&key).or_else(|| self.old.get(&key)).is_some_and(|l| r <= *l)
+    }
+
     /// Repos remembered.
     #[must_use]
     pub fn len(&self) -> usize {

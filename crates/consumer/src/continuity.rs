@@ -22,11 +22,22 @@ pub enum GapPolicy {
     Live,
 }
 
+/// How many of the latest times at or below a cursor its time is the lower quartile of.
+const TIME_SAMPLES: usize = 64;
+
 /// Relay times of delivered events, oldest first, for the time at a committed cursor.
+///
+/// A relay time is a PDS's clock: one event an hour fast at the cursor must not become
+/// the position (a switch would then start an hour late and lose everything between).
+/// The time at a cursor is the lower quartile of the last [`TIME_SAMPLES`] times at or
+/// below it (fast clocks cannot raise it; slow ones only move it earlier: more overlap),
+/// and the caller clamps each time to its own clock plus a skew allowance on the way in.
 #[derive(Debug, Default)]
 pub(crate) struct Times {
     samples: VecDeque<(u64, i64)>,
-    /// Time of the newest sample at or below the last cursor taken.
+    /// The latest times at or below the last cursor taken (at most `TIME_SAMPLES`).
+    last: VecDeque<i64>,
+    /// The lower quartile of `last`.
     at_cursor: Option<i64>,
     /// The position carried over from before this pipeline (the other relay's, or the
     /// stored one): a relay entered behind it must not move the position back in time.
@@ -38,15 +49,24 @@ impl Times {
         self.samples.push_back((seq, time_ms));
     }
 
-    /// The time at `cursor`: that of the newest delivered event at or below it (so never
-    /// later than the event at the cursor, up to the relay's own clock order).
+    /// The time at `cursor`: the lower quartile of the latest delivered events' times at
+    /// or below it (isolated fast clocks cannot raise it).
     pub(crate) fn take_until(&mut self, cursor: u64) -> Option<i64> {
+        let mut moved = false;
         while let Some(&(s, t)) = self.samples.front() {
             if s > cursor {
                 break;
             }
-            self.at_cursor = Some(t);
+            if self.last.len() == TIME_SAMPLES {
+                self.last.pop_front();
+            }
+            self.last.push_back(t);
             self.samples.pop_front();
+            moved = true;
+        }
+        if moved {
+            let mut v: Vec<i64> = self.last.iter().copied().collect();
+            self.at_cursor = relay_client::probe::low_quartile(&mut v);
         }
         self.at_cursor()
     }
@@ -87,16 +107,29 @@ fn key<'a>(m: &'a Message<'a>) -> Option<(Key<'a>, i64)> {
 }
 
 /// What was delivered within the last `window` of event time.
+///
+/// Pruning follows the stream's position, not single clocks: the position is the lower
+/// quartile of the latest event times (one fast PDS cannot flush the set), and an event
+/// is kept as if delivered no earlier than that position (a slow PDS's event stays as
+/// long as any other).
 #[derive(Debug)]
 pub(crate) struct Recent {
     window: i64,
-    /// Per kind (commit, sync): repo → (newest rev delivered, time of its last event).
+    /// Per kind (commit, sync): repo → (newest rev delivered, order time of its last event).
     revs: [HashMap<String, (String, i64)>; 2],
     once: HashSet<(usize, String, i64)>,
-    /// (time, kind, did) in delivery order, for pruning.
-    order: VecDeque<(i64, usize, String)>,
+    /// (order time, kind, did, event time) in delivery order, for pruning.
+    order: VecDeque<(i64, usize, String, i64)>,
+    /// The latest event times, for the position.
+    latest: VecDeque<i64>,
+    /// The stream's position: the lower quartile of `latest`.
     newest: i64,
+    recorded: u64,
 }
+
+/// How many latest times the position is taken from, and how often it is recomputed.
+const POSITION_SAMPLES: usize = 64;
+const POSITION_EVERY: u64 = 16;
 
 impl Recent {
     pub(crate) fn new(window_ms: i64) -> Self {
@@ -105,7 +138,9 @@ impl Recent {
             revs: [HashMap::new(), HashMap::new()],
             once: HashSet::new(),
             order: VecDeque::new(),
+            latest: VecDeque::with_capacity(POSITION_SAMPLES),
             newest: i64::MIN,
+            recorded: 0,
         }
     }
 
@@ -122,33 +157,42 @@ impl Recent {
     /// Records a delivered event and forgets what fell out of the window.
     pub(crate) fn record(&mut self, m: &Message<'_>) {
         let Some((k, t)) = key(m) else { return };
+        if self.latest.len() == POSITION_SAMPLES {
+            self.latest.pop_front();
+        }
+        self.latest.push_back(t);
+        self.recorded += 1;
+        if self.newest == i64::MIN || self.recorded.is_multiple_of(POSITION_EVERY) {
+            let mut v: Vec<i64> = self.latest.iter().copied().collect();
+            self.newest = relay_client::probe::low_quartile(&mut v).unwrap_or(t);
+        }
+        let at = t.max(self.newest);
         match k {
             Key::Rev { kind, did, rev } => {
-                let e = self.revs[kind].entry(did.to_owned()).or_insert_with(|| (String::new(), t));
+                let e = self.revs[kind].entry(did.to_owned()).or_insert_with(|| (String::new(), at));
                 if rev > e.0.as_str() {
                     e.0.clear();
                     e.0.push_str(rev);
                 }
-                e.1 = t;
-                self.order.push_back((t, kind, did.to_owned()));
+                e.1 = at;
+                self.order.push_back((at, kind, did.to_owned(), t));
             }
             Key::Once { kind, did, time } => {
                 self.once.insert((kind, did.to_owned(), time));
-                self.order.push_back((t, kind, did.to_owned()));
+                self.order.push_back((at, kind, did.to_owned(), time));
             }
         }
-        self.newest = self.newest.max(t);
-        while let Some((t0, _, _)) = self.order.front() {
-            if *t0 >= self.newest - self.window {
+        while let Some((t0, ..)) = self.order.front() {
+            if *t0 >= self.newest.saturating_sub(self.window) {
                 break;
             }
-            let (t0, kind, did) = self.order.pop_front().expect("front");
+            let (t0, kind, did, time) = self.order.pop_front().expect("front");
             if kind < 2 {
                 if self.revs[kind].get(&did).is_some_and(|(_, last)| *last <= t0) {
                     self.revs[kind].remove(&did);
                 }
             } else {
-                self.once.remove(&(kind, did, t0));
+                self.once.remove(&(kind, did, time));
             }
         }
     }
@@ -175,20 +219,46 @@ mod tests {
     }
 
     #[test]
-    fn the_time_at_a_cursor_is_the_newest_delivered_at_or_below_it() {
+    fn the_time_at_a_cursor_is_the_low_quartile_of_the_latest_at_or_below_it() {
         let mut t = Times::default();
         assert_eq!(t.take_until(5), None);
         t.push(1, 10);
         t.push(2, 20);
         t.push(5, 50);
-        assert_eq!(t.take_until(3), Some(20));
-        assert_eq!(t.take_until(3), Some(20), "taken once, kept");
-        assert_eq!(t.at_cursor(), Some(20));
-        assert_eq!(t.take_until(9), Some(50));
+        assert_eq!(t.take_until(3), Some(10), "the lower quartile of 10 and 20");
+        assert_eq!(t.take_until(3), Some(10), "taken once, kept");
+        assert_eq!(t.at_cursor(), Some(10));
+        for (seq, time) in (6..=12).zip((60..=120).step_by(10)) {
+            t.push(seq, time);
+        }
+        assert_eq!(t.take_until(12), Some(50), "the 3rd of 10 20 50 60 … 120");
         let mut behind = Times::default();
         behind.carry(Some(100));
         behind.push(1, 10);
         assert_eq!(behind.take_until(1), Some(100), "a relay entered behind keeps the position");
+    }
+
+    /// A PDS an hour fast at the cursor does not become the position (a slow one only
+    /// moves it earlier).
+    #[test]
+    fn one_skewed_clock_at_the_cursor_does_not_move_the_time() {
+        let hour = 3_600_000;
+        for skew in [hour, -hour] {
+            let mut t = Times::default();
+            for seq in 1..=20_u64 {
+                t.push(seq, 1_000 * i64::try_from(seq).expect("small"));
+            }
+            // A fast PDS posting a burst: most of the latest 9 events, all an hour ahead.
+            for seq in 21..=27_u64 {
+                t.push(seq, 1_000 * i64::try_from(seq).expect("small") + skew);
+            }
+            let at = t.take_until(27).expect("a time");
+            // Fast clocks do not move it later; slow ones may move it earlier (more overlap).
+            assert!(at <= 20_000, "skew {skew}: {at}");
+            if skew > 0 {
+                assert!(at >= 1_000, "{at}");
+            }
+        }
     }
 
     #[test]
@@ -217,7 +287,7 @@ mod tests {
             tight.record(m);
             peak = peak.max(tight.len());
         }
-        assert!(peak <= 8, "peak {peak} entries with a 1 ms window");
+        assert!(peak <= 80, "peak {peak} entries with a 1 ms window");
         assert!(r.len() > tight.len());
     }
 }

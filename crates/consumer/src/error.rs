@@ -27,32 +27,6 @@ pub enum Error {
 /// A condition that ends the term and the consumer: retrying cannot fix it.
 #[derive(Debug, thiserror::Error)]
 pub enum Fatal {
-    /// The relay to switch to does not serve events back to where this one stopped.
-    #[error(
-        "cannot switch to the {role} relay ({fingerprint}) without a gap: events from {needed} on are needed, but it \
-         serves only from {oldest} (seq {oldest_seq}); events in between cannot be recovered from it. To accept the \
-         gap set FIREKEEPER_GAP=live, or set where to resume with `firekeeper cursor set --relay {role} <seq>`"
-    )]
-    Gap {
-        /// The target relay.
-        role: RelayRole,
-        /// Its fingerprint.
-        fingerprint: String,
-        /// The relay time needed (RFC 3339).
-        needed: String,
-        /// The oldest time it serves (RFC 3339).
-        oldest: String,
-        /// The oldest seq it serves.
-        oldest_seq: u64,
-    },
-    /// Probing the target relay for the start failed.
-    #[error("finding where to resume on the {role} relay: {source}")]
-    Probe {
-        /// The target relay.
-        role: RelayRole,
-        /// What went wrong.
-        source: relay_client::probe::ProbeError,
-    },
     /// The relay rejected the cursor as ahead of its stream.
     #[error("{0}; set FIREKEEPER_FUTURE_CURSOR=live to accept the gap, or fix the cursor with `firekeeper cursor set`")]
     FutureCursor(SubscribeError),

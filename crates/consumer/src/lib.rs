@@ -102,6 +102,10 @@ pub struct Options {
     pub switch_overlap: Duration,
     /// At most this many probes to find the start on the target relay.
     pub switch_max_probes: u32,
+    /// How far relay (PDS) clocks may be trusted: event times are clamped to this
+    /// process's clock plus it, and a target relay whose oldest events are older than
+    /// the committed position less it has no gap (only a shorter overlap).
+    pub switch_skew: Duration,
     /// What to do when the target relay's window does not reach back far enough.
     pub gap: GapPolicy,
     /// Check each repo's commit chain (`since` against the last rev) for this many recent
@@ -122,6 +126,7 @@ impl Default for Options {
             verify_blocks: false,
             switch_overlap: Duration::from_secs(30),
             switch_max_probes: 40,
+            switch_skew: Duration::from_secs(5),
             gap: GapPolicy::Fail,
             chain_repos: 1_000_000,
             chain_breaks: ChainBreaks::Count,

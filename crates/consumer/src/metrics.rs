@@ -38,6 +38,13 @@ pub const ON_SECONDARY: &str = "firekeeper_relay_on_secondary";
 pub const SWITCH_DUPLICATES: &str = "firekeeper_switch_duplicates_dropped_total";
 /// Probes made to find the start on a relay switched to.
 pub const SWITCH_PROBES: &str = "firekeeper_switch_probes_total";
+/// Relay switches refused (the target does not serve back to the committed position,
+/// or could not be probed): the leader stays on the relay it had.
+pub const SWITCH_REFUSED: &str = "firekeeper_switch_refused_total";
+/// 1 while a refused switch holds the leader on a relay that does not answer.
+pub const SWITCH_REFUSED_NOW: &str = "firekeeper_switch_refused";
+/// Switches whose target served less than the whole overlap, but back past the position.
+pub const SWITCH_OVERLAP_SHORT: &str = "firekeeper_switch_overlap_short_total";
 /// Commits whose `since` was not the last rev seen for their repo (a commit was skipped).
 pub const CHAIN_BREAKS: &str = "firekeeper_repo_chain_breaks_total";
 /// Repos the chain check remembers.
@@ -66,6 +73,8 @@ pub const ALL: &[Metric] = &[
     counter(SINK_ERRORS, "failed sink writes (retried)", &[]),
     counter(SWITCH_DUPLICATES, "events dropped after a relay switch as already handed over", &[]),
     counter(SWITCH_PROBES, "probes made to find where to resume on a relay switched to", &[]),
+    counter(SWITCH_REFUSED, "relay switches refused: the target does not reach back to the position", &[]),
+    counter(SWITCH_OVERLAP_SHORT, "relay switches whose target served less than the overlap but no gap", &[]),
     counter(CHAIN_BREAKS, "commits whose since was not the last rev seen for the repo", &[]),
     gauge(LEADER, "1 while this replica leads"),
     gauge(LAG_SECONDS, "age of the newest delivered event (relay time to now)"),
@@ -73,4 +82,5 @@ pub const ALL: &[Metric] = &[
     gauge(QUEUE_DEPTH, "events delivered and not yet done"),
     gauge(ON_SECONDARY, "1 while the leader consumes from the secondary relay"),
     gauge(CHAIN_REPOS, "repos the chain check remembers"),
+    gauge(SWITCH_REFUSED_NOW, "1 while a refused relay switch holds the leader on its relay"),
 ];

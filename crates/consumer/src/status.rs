@@ -77,6 +77,10 @@ pub struct Status {
     pub in_flight: usize,
     /// The last accepted gap (`FIREKEEPER_GAP=live`): relay and missing time range.
     pub last_gap: Option<String>,
+    /// A relay switch refused and not yet overcome (the relay switched to does not serve
+    /// back to the committed position): which relay and what is missing. Not ready
+    /// while set.
+    pub refused_switch: Option<String>,
 }
 
 /// The shared status of one consumer: cheap to clone, read from any task.
@@ -89,6 +93,7 @@ struct Inner {
     term: Mutex<Option<Term>>,
     events: AtomicU64,
     ready: AtomicBool,
+    refused: AtomicBool,
 }
 
 impl Default for StatusHandle {
@@ -98,6 +103,7 @@ impl Default for StatusHandle {
             term: Mutex::new(None),
             events: AtomicU64::new(0),
             ready: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
         }))
     }
 }
@@ -122,10 +128,11 @@ impl StatusHandle {
         self.0.status.subscribe()
     }
 
-    /// True once the consumer contends for the lease (`/readyz`).
+    /// True once the consumer contends for the lease, and no refused relay switch holds
+    /// it on a relay that does not answer (`/readyz`).
     #[must_use]
     pub fn is_ready(&self) -> bool {
-        self.0.ready.load(Ordering::Relaxed)
+        self.0.ready.load(Ordering::Relaxed) && !self.0.refused.load(Ordering::Relaxed)
     }
 
     /// Events handed to the handler by this process.
@@ -140,6 +147,12 @@ impl StatusHandle {
 
     pub(crate) fn set_ready(&self) {
         self.0.ready.store(true, Ordering::Relaxed);
+    }
+
+    /// Shows (or clears) a refused relay switch; not ready while one is shown.
+    pub(crate) fn set_refused_switch(&self, what: Option<String>) {
+        self.0.refused.store(what.is_some(), Ordering::Relaxed);
+        self.update(|s| s.refused_switch = what);
     }
 
     pub(crate) fn add_events(&self, n: u64) {

@@ -279,6 +279,83 @@ fn overlap_ms(s: &Settings) -> i64 {
     i64::try_from(s.options.switch_overlap.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
+/// The clock-skew allowance in ms.
+fn skew_ms(s: &Settings) -> i64 {
+    i64::try_from(s.options.switch_skew.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+/// This process's clock, Unix ms.
+fn now_ms() -> i64 {
+    i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX / 4)
+}
+
+/// True when the repo's chain proves `m` was handed over: a `#commit` whose rev is not
+/// newer than the last one seen for its repo.
+fn handed_over(chains: &Chains, m: &Message<'_>) -> bool {
+    matches!(m, Message::Commit(c) if chains.covers(c.repo, c.rev))
+}
+
+/// How often a standing refusal is logged again.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_mins(1);
+
+/// Why a relay switch was refused: switching would lose events, and the relay the
+/// leader had may come back. The leader stays, retries it, and is not ready meanwhile.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// The target's window does not reach back to the committed position.
+    Gap {
+        /// The relay switched to.
+        to: RelayRole,
+        /// The relay time needed (RFC 3339).
+        needed: String,
+        /// The oldest time it serves (RFC 3339).
+        oldest: String,
+        /// The oldest seq it serves.
+        oldest_seq: u64,
+    },
+    /// Finding where to resume on the target failed (it may be down too).
+    Probe {
+        /// The relay switched to.
+        to: RelayRole,
+        /// What went wrong.
+        source: ProbeError,
+    },
+    /// No event time and no stored cursor on the target: no position to carry over.
+    Unplaced {
+        /// The relay switched to.
+        to: RelayRole,
+    },
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Gap { to, needed, oldest, oldest_seq } => write!(
+                f,
+                "the {to} relay serves events only from {oldest} (seq {oldest_seq}), but events from {needed} on are \
+                 needed: switching would lose those in between (to accept such a gap set FIREKEEPER_GAP=live, or \
+                 choose the start with `firekeeper cursor set --relay {to} <seq>`)"
+            ),
+            Self::Probe { to, source } => write!(f, "finding where to resume on the {to} relay: {source}"),
+            Self::Unplaced { to } => write!(
+                f,
+                "no event time is known yet and the {to} relay has no stored cursor, so nothing places the position \
+                 there (its live tail would skip the backlog): set one with `firekeeper cursor set --relay {to} <seq>`, \
+                 or FIREKEEPER_GAP=live to start at its oldest event"
+            ),
+        }
+    }
+}
+
+/// A standing refusal.
+#[derive(Debug)]
+struct Refused {
+    /// When the target was last probed.
+    probed: std::time::Instant,
+    /// When the refusal was last logged.
+    logged: std::time::Instant,
+}
+
 /// Unix ms as RFC 3339 (for messages).
 fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
@@ -317,10 +394,12 @@ struct Leader<'a, 'c> {
     last_time: String,
     /// What was handed over recently (kept only with a secondary relay configured).
     recent: Option<Recent>,
-    /// After a switch, `(floor, until)` in relay time: until `until`, drop what `recent`
-    /// already holds, and anything older than `floor` (before the switch point and past
-    /// what `recent` remembers: a target relay that lags behind serves those again).
-    dedupe: Option<(i64, i64)>,
+    /// Set from the first switch on: drop what `recent` or the repo's chain proves was
+    /// handed over. Never anything by its time alone (a PDS lagging behind sends new
+    /// events with old times), and never ended by a time (one fast clock would end it).
+    dedupe: bool,
+    /// A switch refused and not yet overcome (see [`Refusal`]).
+    refused: Option<Refused>,
     /// Each recent repo's last rev, for the chain check (`None` when it is off).
     chains: Option<Chains>,
 }
@@ -346,12 +425,28 @@ impl Leader<'_, '_> {
 
     /// Where to resume on `to` after committing the current relay at relay time `at`: its
     /// stored cursor when that is inside the overlap, else found by time on the relay.
-    async fn switch_start(&mut self, to: RelayRole, at: Option<i64>) -> Result<Option<u64>, Step> {
+    /// A switch that would lose events (a real gap under `GapPolicy::Fail`, a relay that
+    /// cannot be probed, no position known at all) is refused instead.
+    async fn switch_start(&mut self, to: RelayRole, at: Option<i64>) -> Result<Result<Option<u64>, Refusal>, Step> {
         let (cx, opts) = (self.cx, &self.cx.settings.options);
         let stored = resume_point(cx, &self.term, to, false).await?;
         let Some(at) = at else {
             // Nothing delivered carried a time yet: there is no position to carry over.
-            return Ok(stored);
+            // The target's own stored cursor is a position on it; without one, the live
+            // tail would skip everything after the committed cursor.
+            if stored.is_some() {
+                return Ok(Ok(stored));
+            }
+            if opts.gap == GapPolicy::Live {
+                tracing::error!(
+                    relay = to.as_str(),
+                    "no event time is known yet and the relay switched to has no stored cursor: starting at its oldest \
+                     event (FIREKEEPER_GAP=live); what it no longer serves is missing"
+                );
+                metrics::counter!(m::GAPS, "reason" => "switch_unplaced").increment(1);
+                return Ok(Ok(Some(0)));
+            }
+            return Ok(Err(Refusal::Unplaced { to }));
         };
         let fp = cx.url(to).fingerprint();
         let overlap = overlap_ms(cx.settings);
@@ -367,7 +462,7 @@ impl Leader<'_, '_> {
             && (target..=at).contains(&t)
         {
             tracing::info!(relay = to.as_str(), cursor = c, "switch: the stored cursor is inside the overlap");
-            return Ok(Some(c));
+            return Ok(Ok(Some(c)));
         }
         let wait = cx.settings.client.connect_timeout;
         // Boxed: the probe's WebSocket state would otherwise sit in every enclosing future.
@@ -384,20 +479,63 @@ impl Leader<'_, '_> {
                     overlap_ms = overlap,
                     "switch: found where to resume by time"
                 );
-                Ok(Some(f.cursor))
+                Ok(Ok(Some(f.cursor)))
+            }
+            // The window does not hold the whole overlap, but reaches back past the
+            // position (less the clocks' skew): nothing is missing, the overlap is short.
+            Err(ProbeError::Gap { oldest_ms, oldest_seq }) if oldest_ms < at - skew_ms(cx.settings) => {
+                metrics::counter!(m::SWITCH_OVERLAP_SHORT).increment(1);
+                tracing::warn!(
+                    relay = to.as_str(),
+                    cursor = oldest_seq - 1,
+                    overlap_ms = at - oldest_ms,
+                    wanted_ms = overlap,
+                    "switch: the relay's window holds less than the overlap but reaches back past the position; \
+                     starting at its oldest event"
+                );
+                Ok(Ok(Some(oldest_seq - 1)))
             }
             Err(ProbeError::Gap { oldest_ms, oldest_seq }) => {
-                let (needed, oldest) = (rfc3339(target), rfc3339(oldest_ms));
+                let (needed, oldest) = (rfc3339(at), rfc3339(oldest_ms));
                 if opts.gap == GapPolicy::Fail {
-                    return Err(Fatal::Gap { role: to, fingerprint: fp.to_owned(), needed, oldest, oldest_seq }.into());
+                    return Ok(Err(Refusal::Gap { to, needed, oldest, oldest_seq }));
                 }
                 metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
                 let gap = format!("{} relay: events from {needed} to {oldest} are missing", to.as_str());
                 tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (FIREKEEPER_GAP=live) on a relay switch");
                 cx.status.update(|s| s.last_gap = Some(gap));
-                Ok(Some(oldest_seq - 1))
+                Ok(Ok(Some(oldest_seq - 1)))
             }
-            Err(source) => Err(Fatal::Probe { role: to, source }.into()),
+            Err(source) => Ok(Err(Refusal::Probe { to, source })),
+        }
+    }
+
+    /// Stays on the relay it had after a refused switch: shows and counts the refusal
+    /// (logged at most once a minute), and resumes there from the committed position.
+    fn refuse(&mut self, from: RelayRole, why: &Refusal) {
+        metrics::counter!(m::SWITCH_REFUSED).increment(1);
+        metrics::gauge!(m::SWITCH_REFUSED_NOW).set(1.0);
+        let now = std::time::Instant::now();
+        let log = self.refused.as_ref().is_none_or(|r| now.duration_since(r.logged) >= REFUSAL_LOG_EVERY);
+        if log {
+            tracing::error!(
+                relay = from.as_str(),
+                refused = %why,
+                "relay switch refused: staying on this relay and retrying it; not ready until events flow again"
+            );
+        }
+        self.cx.status.set_refused_switch(Some(why.to_string()));
+        let logged = if log { now } else { self.refused.as_ref().map_or(now, |r| r.logged) };
+        self.refused = Some(Refused { probed: now, logged });
+        self.sub.stay();
+    }
+
+    /// Events flow again after a refused switch.
+    fn clear_refusal(&mut self) {
+        if self.refused.take().is_some() {
+            tracing::info!(relay = self.role.as_str(), "events flow again after a refused relay switch");
+            metrics::gauge!(m::SWITCH_REFUSED_NOW).set(0.0);
+            self.cx.status.set_refused_switch(None);
         }
     }
 
@@ -468,20 +606,20 @@ impl Leader<'_, '_> {
         {
             return s;
         }
+        if self.refused.is_some() {
+            self.clear_refusal();
+        }
         let m = f.message();
         let time = if self.recent.is_some() || seq.is_multiple_of(64) { m.time().and_then(time_ms) } else { None };
+        // A PDS clock ahead of this one's (plus the allowance) is not believed.
+        let time = time.map(|t| t.min(now_ms().saturating_add(skew_ms(self.cx.settings))));
         if let Some(t) = time {
             self.p.times.push(seq, t);
         }
         if let Some(recent) = &mut self.recent {
-            if let Some((floor, until)) = self.dedupe {
-                if time.is_some_and(|t| t > until) {
-                    tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");
-                    self.dedupe = None;
-                } else if recent.seen(m) || time.is_some_and(|t| t < floor) {
-                    metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
-                    return self.pass(seq);
-                }
+            if self.dedupe && (recent.seen(m) || self.chains.as_ref().is_some_and(|c| handed_over(c, m))) {
+                metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
+                return self.pass(seq);
             }
             recent.record(m);
         }
@@ -596,6 +734,13 @@ impl Leader<'_, '_> {
                 Step::Next
             }
             Ok(Item::SwitchRelay { from, to, reason }) => {
+                // While a refused switch stands, the target is probed again at most once
+                // per probe interval; in between, the relay it had is retried.
+                let every = self.cx.settings.client.probe_interval;
+                if self.refused.as_ref().is_some_and(|r| r.probed.elapsed() < every) {
+                    self.sub.stay();
+                    return Step::Next;
+                }
                 let kind = if reason == SwitchReason::Failback { "failback" } else { "failover" };
                 metrics::counter!(m::RELAY_SWITCHES, "to" => to.as_str(), "kind" => kind).increment(1);
                 if let Err(s) = self.settle().await {
@@ -604,12 +749,21 @@ impl Leader<'_, '_> {
                 tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?self.p.committed, "relay switch: committed the current relay first");
                 let at = self.p.times.at_cursor();
                 match self.switch_start(to, at).await {
-                    Ok(cursor) => {
+                    Ok(Ok(cursor)) => {
+                        self.clear_refusal();
                         self.p = self.pipeline(to, cursor);
                         self.p.times.carry(at);
                         self.begin(to, cursor);
-                        let overlap = overlap_ms(self.cx.settings);
-                        self.dedupe = at.map(|w| (w - 2 * overlap, w + overlap));
+                        self.dedupe = true;
+                        Step::Next
+                    }
+                    Ok(Err(why)) => {
+                        // The settled pipeline's lanes are closed: a fresh one on the
+                        // same relay, from the committed position.
+                        let start = self.p.committed.or(self.sub.cursor());
+                        self.p = self.pipeline(from, start);
+                        self.p.times.carry(at);
+                        self.refuse(from, &why);
                         Step::Next
                     }
                     Err(s) => s,
@@ -744,7 +898,19 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
     // than the overlap's start can still come after it.
     let recent = s.secondary.as_ref().map(|_| Recent::new(2 * overlap_ms(s)));
     let chains = (s.options.chain_repos > 0).then(|| Chains::new(s.options.chain_repos));
-    let mut l = Leader { cx, term, role, sub, p, rewind: None, last_time: String::new(), recent, dedupe: None, chains };
+    let mut l = Leader {
+        cx,
+        term,
+        role,
+        sub,
+        p,
+        rewind: None,
+        last_time: String::new(),
+        recent,
+        dedupe: false,
+        chains,
+        refused: None,
+    };
     l.begin(role, cursor);
     match l.run().await {
         Some(end) => end,

@@ -4,6 +4,10 @@
 //! window does not reach back. The oracle keys events by (repo, rev) — (type, did,
 //! time) for identity and account — and finds none lost and none delivered twice, and
 //! the per-repo chain check finds no chain broken across the switches.
+//!
+//! The relays serve the world's clocks, not the capture's tidy ones: every tenth event
+//! comes from a PDS lagging 60 s, every tenth (offset) from one an hour fast, every
+//! fiftieth from one an hour slow — on both relays, as a relay passes a PDS's time on.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -86,15 +90,29 @@ impl Oracle {
     }
 }
 
-/// Two paced relays serving the fixture: the primary as captured, the secondary in its
+/// The fixture as PDSs with wrong clocks send it: every tenth event 60 s late (a lagging
+/// PDS), every tenth (offset by 5) an hour fast, every fiftieth an hour slow.
+fn frames() -> Vec<bytes::Bytes> {
+    let f = testkit::fixture_frames();
+    let f = relay_sim::skew_clocks(&f, |i, _| i % 10 == 3, -60_000);
+    let f = relay_sim::skew_clocks(&f, |i, _| i % 10 == 8, 3_600_000);
+    relay_sim::skew_clocks(&f, |i, _| i % 50 == 21, -3_600_000)
+}
+
+/// Two paced relays serving [`frames`]: the primary as captured, the secondary in its
 /// own seq space (from 1,000,001, reinterleaved in blocks of 16).
 async fn relays(rate: u32, secondary_window: Option<u64>) -> (RelaySim, RelaySim) {
-    let frames = testkit::fixture_frames();
+    relays_with(rate, SimConfig { window_start: secondary_window, ..SimConfig::default() }).await
+}
+
+/// [`relays`] with the secondary's window set by `window`.
+async fn relays_with(rate: u32, window: SimConfig) -> (RelaySim, RelaySim) {
+    let frames = frames();
     let paced = SimConfig { initial_head: Some(0), rate: Some(rate), ..SimConfig::default() };
     let addr = "127.0.0.1:0".parse().expect("addr");
     let primary = RelaySim::start_with(frames.clone(), paced.clone(), addr).await.expect("primary");
     let other = relay_sim::reseq(&frames, 1_000_000, 16, 7);
-    let cfg = SimConfig { window_start: secondary_window, ..paced };
+    let cfg = SimConfig { window_start: window.window_start, window_len: window.window_len, ..paced };
     let secondary = RelaySim::start_with(other, cfg, addr).await.expect("secondary");
     (primary, secondary)
 }
@@ -136,19 +154,32 @@ async fn replica_with(
     gap: GapPolicy,
     name: &str,
 ) -> Consumer {
+    replica_full(dir, primary, secondary, handler, gap, name, |_| {}).await
+}
+
+async fn replica_full(
+    dir: &std::path::Path,
+    primary: &RelaySim,
+    secondary: &RelaySim,
+    handler: Arc<dyn Handler>,
+    gap: GapPolicy,
+    name: &str,
+    f: impl FnOnce(&mut Options),
+) -> Consumer {
     let lock = dir.join("lease.lock");
     let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
     let p = RelayUrl::parse(&primary.url()).expect("url");
     if matches!(store.read(p.fingerprint()).await, Ok(checkpoint::ReadOutcome::Missing)) {
         store.force(p.fingerprint(), 0).await.expect("seed");
     }
-    let options = Options {
+    let mut options = Options {
         commit_interval: Duration::from_millis(50),
         switch_overlap: Duration::from_secs(5),
         gap,
         chain_breaks: consumer::ChainBreaks::Emit,
         ..Options::default()
     };
+    f(&mut options);
     let lease = lease::LeaseConfig {
         ttl: Duration::from_millis(1500),
         renew_every: Duration::from_millis(300),
@@ -167,6 +198,18 @@ async fn replica_with(
         .instance_id(name)
         .build()
         .expect("build")
+}
+
+/// A replica with the test options changed by `f` (gap policy `fail`).
+async fn replica_opts(
+    dir: &std::path::Path,
+    primary: &RelaySim,
+    secondary: &RelaySim,
+    handler: Arc<dyn Handler>,
+    name: &str,
+    f: impl FnOnce(&mut Options),
+) -> Consumer {
+    replica_full(dir, primary, secondary, handler, GapPolicy::Fail, name, f).await
 }
 
 type Running =
@@ -195,7 +238,7 @@ async fn delivered_at_least(oracle: &Oracle, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing() {
-    let want = keys(&testkit::fixture_frames());
+    let want = keys(&frames());
     let (primary, secondary) = relays(250, None).await;
     let dir = testkit::tmpdir("switch-3");
     let oracle = Arc::new(Oracle::default());
@@ -254,7 +297,7 @@ impl Handler for SelfCommitting {
 /// time at the cursor for the switch although it never commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_commits_its_own_cursor_switches_without_loss_or_duplicates() {
-    let want = keys(&testkit::fixture_frames());
+    let want = keys(&frames());
     let (primary, secondary) = relays(250, None).await;
     let dir = testkit::tmpdir("switch-self");
     let oracle = Arc::new(Oracle::default());
@@ -278,7 +321,7 @@ async fn a_handler_that_commits_its_own_cursor_switches_without_loss_or_duplicat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_taking_over_resumes_on_the_secondary_the_leader_was_on() {
-    let want = keys(&testkit::fixture_frames());
+    let want = keys(&frames());
     let (primary, secondary) = relays(250, None).await;
     let dir = testkit::tmpdir("switch-takeover");
     let oracle = Arc::new(Oracle::default());
@@ -310,7 +353,7 @@ async fn a_standby_taking_over_resumes_on_the_secondary_the_leader_was_on() {
 /// secondary (at-least-once across a crash): none come from the relay switches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_crashing_on_the_secondary_loses_nothing_and_repeats_only_its_uncommitted_tail() {
-    let want = keys(&testkit::fixture_frames());
+    let want = keys(&frames());
     let (primary, secondary) = relays(250, None).await;
     let dir = testkit::tmpdir("switch-crash");
     let oracle = Arc::new(Oracle::default());
@@ -352,8 +395,8 @@ async fn a_leader_crashing_on_the_secondary_loses_nothing_and_repeats_only_its_u
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_secondary_window_too_short_fails_naming_the_time_range_or_continues_under_live() {
-    let want = keys(&testkit::fixture_frames());
+async fn a_secondary_window_too_short_is_refused_until_the_primary_returns_or_accepted_under_live() {
+    let want = keys(&frames());
     for gap in [GapPolicy::Fail, GapPolicy::Live] {
         // The secondary keeps only its last ~300 events.
         let (primary, secondary) = relays(250, Some(1_000_000 + 1_150)).await;
@@ -365,12 +408,26 @@ async fn a_secondary_window_too_short_fails_naming_the_time_range_or_continues_u
         primary.handle().set_down(true);
         match gap {
             GapPolicy::Fail => {
-                let out = tokio::time::timeout(WAIT, run).await.expect("stops").expect("join");
-                let msg = out.expect_err("a gap stops the leader").to_string();
-                assert!(msg.contains("without a gap") && msg.contains("FIREKEEPER_GAP=live"), "{msg}");
-                assert!(msg.contains("2026-12-02T"), "names the time range: {msg}");
+                // The switch is refused: the leader stays, is not ready, shows what is
+                // missing, takes nothing from the secondary, and never exits.
+                eventually("the refused switch shown", WAIT, async || status.snapshot().refused_switch.is_some()).await;
+                let s = status.snapshot();
+                let refused = s.refused_switch.clone().expect("shown");
+                assert!(refused.contains("secondary") && refused.contains("2026-12-02T"), "{refused}");
+                assert!(refused.contains("FIREKEEPER_GAP=live"), "{refused}");
+                assert_eq!(s.role, consumer::Role::Leader, "still leading");
+                assert!(!status.is_ready(), "not ready while refused");
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                assert!(!run.is_finished(), "the service does not stop");
                 assert_eq!(oracle.taken_from_secondary(), 0, "nothing taken from the secondary");
-                drop(stop);
+                // The primary returns: everything, once, from the primary.
+                primary.handle().set_down(false);
+                eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+                assert!(status.snapshot().refused_switch.is_none() && status.is_ready(), "ready again");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let _ = stop.send(());
+                run.await.expect("join").expect("clean stop");
+                oracle.assert_exactly_once(&want);
             }
             GapPolicy::Live => {
                 on(&status, RelayRole::Secondary, "on the secondary despite the gap").await;
@@ -410,4 +467,63 @@ async fn a_secondary_window_too_short_fails_naming_the_time_range_or_continues_u
             }
         }
     }
+}
+
+/// The secondary keeps fewer events than the overlap asks for, but still reaches back
+/// past the committed position: no gap (the operator run exited with status 1
+/// here). The overlap is shortened and counted; nothing is lost or repeated; the primary
+/// comes back and the leader fails back to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_shorter_than_the_overlap_but_past_the_position_is_no_gap() {
+    let want = keys(&frames());
+    // 300 events of ~1476 behind the head: less than the 60 s overlap asked for, more
+    // than the primary's outage.
+    let (primary, secondary) = relays_with(250, SimConfig { window_len: Some(300), ..SimConfig::default() }).await;
+    let dir = testkit::tmpdir("switch-short");
+    let oracle = Arc::new(Oracle::default());
+    let c = replica_opts(&dir, &primary, &secondary, oracle.clone(), "a", |o| {
+        o.switch_overlap = Duration::from_mins(1);
+    })
+    .await;
+    let (status, stop, run) = spawn(c);
+    on(&status, RelayRole::Primary, "leading on the primary").await;
+    delivered_at_least(&oracle, 590).await;
+    primary.handle().set_down(true);
+    on(&status, RelayRole::Secondary, "failover despite the short window").await;
+    assert!(status.snapshot().refused_switch.is_none());
+    delivered_at_least(&oracle, 1030).await;
+    primary.handle().set_down(false);
+    on(&status, RelayRole::Primary, "failback").await;
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    assert!(oracle.taken_from_secondary() > 0, "the secondary served part of the stream");
+    oracle.assert_exactly_once(&want);
+}
+
+/// `cursor set` stores no time; with the primary down from the start, nothing places the
+/// position on the secondary. The switch is refused (never the secondary's live tail,
+/// which delivered 0 of the backlog before), and when the primary comes up everything
+/// after the cursor arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_with_no_known_time_is_refused_instead_of_jumping_to_the_live_tail() {
+    let want = keys(&frames());
+    let (primary, secondary) = relays(250, None).await;
+    primary.handle().set_down(true);
+    let dir = testkit::tmpdir("switch-unplaced");
+    let oracle = Arc::new(Oracle::default());
+    let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
+    eventually("the refused switch shown", WAIT, async || status.snapshot().refused_switch.is_some()).await;
+    let refused = status.snapshot().refused_switch.expect("shown");
+    assert!(refused.contains("cursor set --relay secondary"), "{refused}");
+    assert!(!status.is_ready());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(oracle.taken_from_secondary(), 0, "nothing from the secondary's live tail");
+    primary.handle().set_down(false);
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    oracle.assert_exactly_once(&want);
 }

@@ -404,6 +404,18 @@ impl Subscription {
         self.next_probe = (relay == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
     }
 
+    /// After a switch the caller refused: resumes on the relay it had, from where it
+    /// stood, retrying it with backoff (and asking to switch again only after
+    /// `failover_after` more failures, or the next failback probes).
+    pub fn stay(&mut self) {
+        self.failures = 0;
+        self.probe_ok = 0;
+        self.awaiting_start = false;
+        self.conn = None;
+        self.retry_at = Some(Instant::now() + self.backoff.next_delay());
+        self.next_probe = (self.active == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
+    }
+
     /// The relay in use.
     #[must_use]
     pub fn active(&self) -> RelayRole {

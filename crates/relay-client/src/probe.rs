@@ -2,10 +2,18 @@
 //!
 //! Relays number events independently, so a position on one relay means nothing on
 //! another; the event *time* does. [`find_start`] searches the target relay's backfill
-//! window for the newest cursor whose next event is not newer than a target time: each
-//! probe opens `cursor=N` and reads the first event's time. `FutureCursor` bounds the
-//! search from above; a window whose oldest event is already newer than the target is a
-//! gap, reported with the oldest time it does reach.
+//! window for a cursor whose following events are not newer than a target time: each
+//! probe opens `cursor=N` and reads the times of up to [`PROBE_EVENTS`] events after it.
+//! `FutureCursor` bounds the search from above; a window whose oldest events are already
+//! newer than the target is a gap, reported with the oldest time it does reach.
+//!
+//! **Event time is a PDS's clock, not an index.** One PDS running an hour slow or fast
+//! puts single events far out of place. No decision rests on one reading: a probe
+//! judges a cursor by the *upper quartile* of the times of the events after it (a cursor
+//! is before the target only when most events after it are), so isolated events with
+//! skewed clocks cannot move the answer, and every cursor the search keeps as "not newer
+//! than the target" was measured so. Erring early only adds overlap (the switch dedupe
+//! drops what was handed over); erring late would lose events, so ties go early.
 
 use std::time::{Duration, Instant};
 
@@ -16,14 +24,22 @@ use tokio_tungstenite::tungstenite::Message as WsMessage;
 use crate::frame::{self, Frame};
 use crate::{Message, RelayUrl};
 
+/// How many events a probe reads after its cursor (their upper quartile decides).
+pub const PROBE_EVENTS: usize = 9;
+
+/// How long a probe waits for each further event after the first (a backfill arrives at
+/// once; at the head, fewer events are read).
+const NEXT_EVENT_WAIT: Duration = Duration::from_millis(150);
+
 /// What the first frames after a cursor say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
-    /// The first event after the cursor: its seq and relay time (Unix ms).
+    /// The events after the cursor: the first one's seq, and the upper quartile of their
+    /// relay times (Unix ms; see [`high_quartile`]).
     Event {
-        /// Its seq.
+        /// The first event's seq.
         seq: u64,
-        /// Its relay time, Unix milliseconds.
+        /// The upper quartile of the relay times read, Unix milliseconds.
         time_ms: i64,
         /// The relay said `OutdatedCursor` first (the window starts after the cursor).
         outdated: bool,
@@ -76,8 +92,33 @@ pub fn time_ms(t: &str) -> Option<i64> {
     i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
-/// Opens `cursor` on `url` and reads up to the first event (or `FutureCursor`, or
-/// nothing within `wait`).
+/// The lower quartile of `times`: an "at least this late" reading that isolated fast
+/// clocks cannot raise (up to three quarters of the readings may be ahead) and a few slow
+/// ones only lower (the safe side, for a position to resume from).
+#[must_use]
+pub fn low_quartile(times: &mut [i64]) -> Option<i64> {
+    if times.is_empty() {
+        return None;
+    }
+    times.sort_unstable();
+    Some(times[(times.len() - 1) / 4])
+}
+
+/// The upper quartile of `times`: at or below a target only when most readings are, so
+/// a few slow clocks cannot make a cursor look earlier than it is.
+#[must_use]
+pub fn high_quartile(times: &mut [i64]) -> Option<i64> {
+    if times.is_empty() {
+        return None;
+    }
+    times.sort_unstable();
+    let n = times.len() - 1;
+    Some(times[n - n / 4])
+}
+
+/// Opens `cursor` on `url` and reads the events after it: up to [`PROBE_EVENTS`], the
+/// first within `wait` (else `Empty`: the cursor is at the head), each further one within
+/// a short gap. `FutureCursor` gives `Future`.
 pub async fn first_after(url: &RelayUrl, cursor: u64, wait: Duration) -> Result<Probe, ProbeError> {
     let failed = |reason: String| ProbeError::Failed { cursor, reason };
     let target = url.subscribe_url(Some(cursor));
@@ -85,39 +126,60 @@ pub async fn first_after(url: &RelayUrl, cursor: u64, wait: Duration) -> Result<
         .await
         .map_err(|_| failed("connect timed out".into()))?
         .map_err(|e| failed(format!("connect: {}", crate::client::describe(&e))))?;
-    let deadline = Instant::now() + wait;
+    let mut deadline = Instant::now() + wait;
     let mut outdated = false;
+    let mut first: Option<u64> = None;
+    let mut times: Vec<i64> = Vec::with_capacity(PROBE_EVENTS);
     let out = loop {
         let msg = match tokio::time::timeout_at(deadline.into(), ws.next()).await {
-            Err(_) => break Ok(Probe::Empty),
+            Err(_) => break Ok(()),
+            // What was read still counts when the relay closes or fails after it.
+            Ok(None | Some(Ok(WsMessage::Close(_)) | Err(_))) if first.is_some() => break Ok(()),
             Ok(None | Some(Ok(WsMessage::Close(_)))) => break Err(failed("closed before any event".into())),
             Ok(Some(Err(e))) => break Err(failed(crate::client::describe(&e))),
             Ok(Some(Ok(m))) => m,
         };
         let WsMessage::Binary(b) = msg else { continue };
-        match frame::decode(&b) {
-            Ok(Frame::Error(e)) if e.error == "FutureCursor" => break Ok(Probe::Future),
+        let decoded = frame::decode(&b);
+        if first.is_some() && !matches!(decoded, Ok(Frame::Message(_))) {
+            // An error frame or an undecodable one after some events: judge by those.
+            break Ok(());
+        }
+        match decoded {
+            Ok(Frame::Error(e)) if e.error == "FutureCursor" => {
+                let _ = timeout(Duration::from_millis(200), ws.close(None)).await;
+                return Ok(Probe::Future);
+            }
             Ok(Frame::Error(e)) => break Err(failed(format!("error frame {}", e.error))),
             Ok(Frame::Message(Message::Info(i))) => outdated |= i.name == "OutdatedCursor",
             Ok(Frame::Message(m)) => {
                 if let (Some(seq), Some(t)) = (m.seq(), m.time().and_then(time_ms)) {
-                    break Ok(Probe::Event { seq, time_ms: t, outdated });
+                    first.get_or_insert(seq);
+                    times.push(t);
+                    if times.len() >= PROBE_EVENTS {
+                        break Ok(());
+                    }
+                    deadline = Instant::now() + NEXT_EVENT_WAIT.min(wait);
                 }
             }
             Err(e) => break Err(failed(format!("undecodable frame: {e}"))),
         }
     };
     let _ = timeout(Duration::from_millis(200), ws.close(None)).await;
-    out
+    out?;
+    Ok(match (first, high_quartile(&mut times)) {
+        (Some(seq), Some(time_ms)) => Probe::Event { seq, time_ms, outdated },
+        _ => Probe::Empty,
+    })
 }
 
-/// The newest cursor on `url` whose next event is at or before `target_ms`, in at most
-/// `max_probes` probes of `wait` each. With probes left over the answer is exact; when
-/// they run out it is an earlier cursor (more overlap, never a gap).
+/// A cursor on `url` whose following events are (by upper quartile) at or before `target_ms`,
+/// searched in at most `max_probes` probes of `wait` each: the newest such cursor the
+/// probes found (when they run out, an earlier one: more overlap, never a gap).
 pub async fn find_start(url: &RelayUrl, target_ms: i64, max_probes: u32, wait: Duration) -> Result<Found, ProbeError> {
     let t0 = Instant::now();
     let mut probes = 1;
-    // The oldest event the window serves.
+    // The oldest events the window serves (the upper quartile of their times).
     let (oldest_seq, oldest_ms) = match first_after(url, 0, wait).await? {
         Probe::Event { seq, time_ms, .. } => (seq, time_ms),
         Probe::Future | Probe::Empty => return Err(ProbeError::NoEvents),

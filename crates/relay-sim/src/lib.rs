@@ -55,6 +55,9 @@ pub struct SimConfig {
     pub rate: Option<u32>,
     /// Oldest seq still in the backfill window; older cursors get `OutdatedCursor`.
     pub window_start: Option<u64>,
+    /// The backfill window holds only the latest this many published events (a relay
+    /// that keeps hours, not everything); older cursors get `OutdatedCursor`.
+    pub window_len: Option<usize>,
 }
 
 struct Log {
@@ -119,6 +122,45 @@ pub fn with_seq(frame: &[u8], seq: u64) -> Option<Bytes> {
     let mut w = Writer::new();
     w.raw(&frame[..span.start]).int(i64::try_from(seq).ok()?).raw(&frame[span.end..]);
     Some(Bytes::from(w.buf))
+}
+
+/// `frame` with its event time moved by `delta_ms` (a PDS whose clock runs fast or slow),
+/// all else byte for byte the same; `None` when it has no time the same width can hold.
+#[must_use]
+pub fn with_time_shifted(frame: &[u8], delta_ms: i64) -> Option<Bytes> {
+    let relay_client::Frame::Message(m) = relay_client::frame::decode(frame).ok()? else { return None };
+    let t = m.time()?;
+    let start = (t.as_ptr() as usize).checked_sub(frame.as_ptr() as usize)?;
+    let ms = relay_client::probe::time_ms(t)? + delta_ms;
+    let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).ok()?;
+    let fmt = time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z");
+    let new = at.format(&fmt).ok()?;
+    if new.len() != t.len() {
+        return None;
+    }
+    let mut out = frame.to_vec();
+    out[start..start + t.len()].copy_from_slice(new.as_bytes());
+    Some(Bytes::from(out))
+}
+
+/// `frames` with the time of every event `pick` chooses moved by `delta_ms`: PDSs whose
+/// clocks run slow (negative) or fast (positive), as every relay serving them shows.
+#[must_use]
+pub fn skew_clocks(
+    frames: &[Bytes],
+    pick: impl Fn(usize, &relay_client::Message<'_>) -> bool,
+    delta_ms: i64,
+) -> Vec<Bytes> {
+    frames
+        .iter()
+        .enumerate()
+        .map(|(i, f)| match relay_client::frame::decode(f) {
+            Ok(relay_client::Frame::Message(m)) if pick(i, &m) => {
+                with_time_shifted(f, delta_ms).unwrap_or_else(|| f.clone())
+            }
+            _ => f.clone(),
+        })
+        .collect()
 }
 
 /// The repo (DID) an event is about, if it decodes.
@@ -440,7 +482,12 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
             None => Start::At(h),
             Some(c) if c > head_seq => Start::Future,
             Some(c) => {
-                let window = shared.cfg.window_start.unwrap_or(0);
+                let mut window = shared.cfg.window_start.unwrap_or(0);
+                if let Some(n) = shared.cfg.window_len
+                    && h > n
+                {
+                    window = window.max(log.frames[h - n].0);
+                }
                 let from = log.frames[..h].partition_point(|(s, _)| *s <= c.max(window.saturating_sub(1)));
                 if c.saturating_add(1) < window { Start::Outdated(from) } else { Start::At(from) }
             }
