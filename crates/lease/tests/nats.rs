@@ -387,6 +387,7 @@ async fn a_replica_with_a_shorter_ttl_never_shortens_the_leaders_key() {
     let mut info = js.get_stream("KV_rolling-lease").await.expect("stream").cached_info().config.clone();
     assert_eq!(info.max_age, Duration::from_secs(10), "never lowered");
     info.max_age = Duration::from_millis(500);
+    info.duplicate_window = Duration::from_millis(500);
     js.update_stream(info).await.expect("an operator lowers it");
     let raised = async {
         loop {
