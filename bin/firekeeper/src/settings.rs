@@ -193,7 +193,7 @@ pub const SETTINGS: &[Setting] = &[
         default: "120000",
         shown: None,
         kind: Kind::Millis,
-        help: "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<numbering epoch>:<seq>`) to drop events a new leader publishes again: keep it well above the lease ttl",
+        help: "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<seq>:<event key>`) to drop events a new leader publishes again: keep it well above the lease ttl",
     },
     Setting {
         name: "FIREKEEPER_JSONL_PATH",

@@ -238,6 +238,25 @@ mod tests {
         assert_eq!(behind.take_until(1), Some(100), "a relay entered behind keeps the position");
     }
 
+    /// One event from a PDS an hour fast does not flush what was delivered (the set is
+    /// pruned by the stream's position, not by the newest single clock).
+    #[test]
+    fn one_fast_clock_does_not_flush_the_recent_set() {
+        let frames = testkit::fixture_frames();
+        let fast = relay_sim::skew_clocks(&frames[200..=200], |_, _| true, 3_600_000);
+        let all = messages(&frames[..200]);
+        let mut r = Recent::new(60_000);
+        for m in &all {
+            r.record(m);
+        }
+        let before = r.len();
+        for m in messages(&fast) {
+            r.record(&m);
+        }
+        assert!(r.len() + 1 >= before, "{} of {before} kept", r.len());
+        assert!(all[150..].iter().all(|m| r.seen(m)), "the latest deliveries are still known");
+    }
+
     /// A PDS an hour fast at the cursor does not become the position (a slow one only
     /// moves it earlier).
     #[test]

@@ -90,13 +90,9 @@ impl Oracle {
     }
 }
 
-/// The fixture as PDSs with wrong clocks send it: every tenth event 60 s late (a lagging
-/// PDS), every tenth (offset by 5) an hour fast, every fiftieth an hour slow.
+/// The fixture with skewed PDS clocks ([`testkit::skewed_fixture_frames`]).
 fn frames() -> Vec<bytes::Bytes> {
-    let f = testkit::fixture_frames();
-    let f = relay_sim::skew_clocks(&f, |i, _| i % 10 == 3, -60_000);
-    let f = relay_sim::skew_clocks(&f, |i, _| i % 10 == 8, 3_600_000);
-    relay_sim::skew_clocks(&f, |i, _| i % 50 == 21, -3_600_000)
+    testkit::skewed_fixture_frames()
 }
 
 /// Two paced relays serving [`frames`]: the primary as captured, the secondary in its

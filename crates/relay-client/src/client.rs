@@ -405,14 +405,15 @@ impl Subscription {
     }
 
     /// After a switch the caller refused: resumes on the relay it had, from where it
-    /// stood, retrying it with backoff (and asking to switch again only after
+    /// stood, retrying it with backoff capped at the probe interval (and asking to switch again only after
     /// `failover_after` more failures, or the next failback probes).
     pub fn stay(&mut self) {
         self.failures = 0;
         self.probe_ok = 0;
         self.awaiting_start = false;
         self.conn = None;
-        self.retry_at = Some(Instant::now() + self.backoff.next_delay());
+        // Nothing flows meanwhile: retry at least once per probe interval.
+        self.retry_at = Some(Instant::now() + self.backoff.next_delay().min(self.cfg.probe_interval));
         self.next_probe = (self.active == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
     }
 

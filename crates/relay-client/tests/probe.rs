@@ -50,7 +50,10 @@ async fn finds_a_cursor_at_or_just_before_the_target_time_and_reports_gaps() {
         // Never later than the answer (that would lose events); at most a probe's
         // readings earlier (more overlap, dropped as duplicates).
         assert!(found.cursor <= answer, "target {target} (event {k}): {found:?}, answer {answer}");
-        assert!(answer - found.cursor <= PROBE_EVENTS as u64, "target {target} (event {k}): {found:?}, answer {answer}");
+        assert!(
+            answer - found.cursor <= PROBE_EVENTS as u64,
+            "target {target} (event {k}): {found:?}, answer {answer}"
+        );
         assert!(found.probes <= 30, "{} probes", found.probes);
     }
     // Out of probes: an earlier cursor (never a later one).
@@ -90,8 +93,9 @@ async fn clocks_skewed_exactly_where_the_search_reads_do_not_move_it_past_the_an
             relay_sim::skew_clocks(
                 &frames,
                 |_, m| {
-                    m.seq()
-                        .is_some_and(|s| probed.contains(&(s - 1)) && if after { s - 1 > answer } else { s - 1 <= answer })
+                    m.seq().is_some_and(|s| {
+                        probed.contains(&(s - 1)) && if after { s - 1 > answer } else { s - 1 <= answer }
+                    })
                 },
                 delta,
             )

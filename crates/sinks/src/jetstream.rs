@@ -1,11 +1,20 @@
 //! The JetStream sink: every event published to a stream, exactly once across leader
 //! failover.
 //!
-//! Each message carries `Nats-Msg-Id: <relay fingerprint>:<seq>`, so a new leader that
-//! hands the same events over again (everything after the last committed cursor) is
-//! de-duplicated by the server within the stream's duplicate window; a batch counts as
-//! written only when every publish was acknowledged, so the cursor never passes an event
-//! the stream does not hold.
+//! Each message carries `Nats-Msg-Id: <relay fingerprint>:<seq>:<event key>`, so a new
+//! leader that hands the same events over again (everything after the last committed
+//! cursor) is de-duplicated by the server within the stream's duplicate window; a batch
+//! counts as written only when every publish was acknowledged, so the cursor never passes
+//! an event the stream does not hold.
+//!
+//! **The seq alone does not name an event.** A relay that restarts its numbering (or
+//! loses its data) serves new events under seqs already used; with `<fingerprint>:<seq>`
+//! the server acknowledged them as duplicates and dropped them while the cursor moved on.
+//! The event key (FNV-1a, 64 bits, of the repo and rev of a `#commit`/`#sync`, or the
+//! DID and time of an `#identity`/`#account`, else of the frame) tells a replay of the
+//! same event (same key: dropped) from another event that reuses the seq (another key:
+//! stored). It needs no state, so it cannot be lost, and holds for renumberings the
+//! consumer never notices (a relay that lost data and grew past the cursor again).
 //!
 //! Subjects, under `<prefix>.events.`:
 //! - by default, per collection for commits (`app.bsky.feed.post`, taken from the first
@@ -75,7 +84,33 @@ fn subject_safe(s: &str) -> bool {
 /// FNV-1a of the DID: stable across versions and processes (the partition of a repo
 /// must never move).
 fn did_hash(did: &str) -> u64 {
-    did.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    fnv(0xcbf2_9ce4_8422_2325, did.as_bytes())
+}
+
+/// FNV-1a, continued from `h`.
+fn fnv(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// What names an event whatever its seq: a `#commit`/`#sync` by repo and rev, an
+/// `#identity`/`#account` by DID and time, anything else by its frame. Stable across
+/// versions and processes (a replay by another leader must get the same key).
+fn event_key(e: &Event) -> u64 {
+    let seed = 0xcbf2_9ce4_8422_2325;
+    let (a, b) = match e.message() {
+        Message::Commit(c) => (c.repo, c.rev),
+        Message::Sync(s) => (s.did, s.rev),
+        Message::Identity(i) => (i.did, i.time),
+        Message::Account(a) => (a.did, a.time),
+        _ => return fnv(seed, e.bytes()),
+    };
+    fnv(fnv(fnv(seed, a.as_bytes()), &[0]), b.as_bytes())
+}
+
+/// The `Nats-Msg-Id` of an event: `<fingerprint>:<seq>:<event key>`.
+#[must_use]
+pub fn message_id(fingerprint: &str, e: &Event) -> String {
+    format!("{fingerprint}:{}:{:016x}", e.seq(), event_key(e))
 }
 
 impl JetStream {
@@ -153,7 +188,7 @@ impl JetStream {
             if let Some(b) = e.chain_break() {
                 let mut body = String::new();
                 b.write_json(e.seq(), &mut body);
-                let id = format!("{}:{}:chain-break", ctx.fingerprint, e.seq());
+                let id = format!("{}:chain-break", message_id(&ctx.fingerprint, e));
                 let ack = js
                     .publish_with_headers(self.chain_break_subject(e), Self::headers(&id, e, ctx), body.into())
                     .await
@@ -167,7 +202,7 @@ impl JetStream {
                 e.render_json(&mut s);
                 s
             };
-            let id = format!("{}:{}", ctx.fingerprint, e.seq());
+            let id = message_id(&ctx.fingerprint, e);
             let ack = js
                 .publish_with_headers(self.subject(e), Self::headers(&id, e, ctx), body.into())
                 .await

@@ -52,6 +52,17 @@ pub fn fixture_frames() -> Vec<bytes_compat::Bytes> {
     relay_client::capture::read(&fixture("pds-capture.frames")).expect("fixtures/pds-capture.frames")
 }
 
+/// The fixture as PDSs with wrong clocks send it (every relay passes a PDS's time on):
+/// every tenth event 60 s late (a lagging PDS), every tenth (offset by 5) an hour fast,
+/// every fiftieth an hour slow. Switch tests use it: tidy clocks hid the defects.
+#[must_use]
+pub fn skewed_fixture_frames() -> Vec<bytes_compat::Bytes> {
+    let f = fixture_frames();
+    let f = relay_sim::skew_clocks(&f, |i, _| i % 10 == 3, -60_000);
+    let f = relay_sim::skew_clocks(&f, |i, _| i % 10 == 8, 3_600_000);
+    relay_sim::skew_clocks(&f, |i, _| i % 50 == 21, -3_600_000)
+}
+
 /// Re-export so callers name the frame type without depending on `bytes` themselves.
 pub mod bytes_compat {
     pub use relay_client::capture::Bytes;
