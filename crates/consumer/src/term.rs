@@ -394,10 +394,11 @@ struct Leader<'a, 'c> {
     last_time: String,
     /// What was handed over recently (kept only with a secondary relay configured).
     recent: Option<Recent>,
-    /// Set from the first switch on: drop what `recent` or the repo's chain proves was
-    /// handed over. Never anything by its time alone (a PDS lagging behind sends new
-    /// events with old times), and never ended by a time (one fast clock would end it).
-    dedupe: bool,
+    /// After a switch, until the position (the robust time at the committed cursor, not
+    /// any one event's clock) passes this relay time: drop what `recent` or the repo's
+    /// chain proves was handed over. Never anything by its time alone (a PDS lagging
+    /// behind sends new events with old times).
+    dedupe: Option<i64>,
     /// A switch refused and not yet overcome (see [`Refusal`]).
     refused: Option<Refused>,
     /// Each recent repo's last rev, for the chain check (`None` when it is off).
@@ -617,7 +618,7 @@ impl Leader<'_, '_> {
             self.p.times.push(seq, t);
         }
         if let Some(recent) = &mut self.recent {
-            if self.dedupe && (recent.seen(m) || self.chains.as_ref().is_some_and(|c| handed_over(c, m))) {
+            if self.dedupe.is_some() && (recent.seen(m) || self.chains.as_ref().is_some_and(|c| handed_over(c, m))) {
                 metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
                 return self.pass(seq);
             }
@@ -697,6 +698,12 @@ impl Leader<'_, '_> {
         if commit(self.cx, &self.term, &mut self.p, false).await.is_err() {
             return Step::End(TermEnd::Lost);
         }
+        if let Some(until) = self.dedupe
+            && self.p.times.at_cursor().is_some_and(|t| t > until)
+        {
+            tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");
+            self.dedupe = None;
+        }
         let (delivered, in_flight) = (self.sub.cursor(), self.p.watermark.in_flight());
         let lag = delivered.zip(self.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
         metrics::gauge!(m::LAG_SEQ).set(lag as f64);
@@ -754,7 +761,8 @@ impl Leader<'_, '_> {
                         self.p = self.pipeline(to, cursor);
                         self.p.times.carry(at);
                         self.begin(to, cursor);
-                        self.dedupe = true;
+                        let overlap = overlap_ms(self.cx.settings);
+                        self.dedupe = at.map(|w| w.saturating_add(overlap));
                         Step::Next
                     }
                     Ok(Err(why)) => {
@@ -907,7 +915,7 @@ async fn run_term_inner(cx: &Ctx<'_>, term: Term) -> TermEnd {
         rewind: None,
         last_time: String::new(),
         recent,
-        dedupe: false,
+        dedupe: None,
         chains,
         refused: None,
     };

@@ -70,6 +70,8 @@ pub struct NatsBackend {
     state: Bucket,
     released: Arc<Notify>,
     watcher: tokio::task::JoinHandle<()>,
+    /// Keeps the lease bucket's age limit at least the ttl (see [`keep_age`]).
+    age_keeper: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for NatsBackend {
@@ -84,6 +86,7 @@ impl std::fmt::Debug for NatsBackend {
 impl Drop for NatsBackend {
     fn drop(&mut self) {
         self.watcher.abort();
+        self.age_keeper.abort();
     }
 }
 
@@ -97,7 +100,8 @@ impl NatsBackend {
         let state = Bucket::new(nats.clone(), state_bucket(prefix), Duration::ZERO);
         let released = Arc::new(Notify::new());
         let watcher = tokio::spawn(watch_releases(lease.clone(), released.clone()));
-        Self { lease, state, released, watcher }
+        let age_keeper = tokio::spawn(keep_age(lease.clone(), ttl));
+        Self { lease, state, released, watcher, age_keeper }
     }
 
     async fn read(&self, bucket: &Bucket, key: &'static str) -> Result<Option<(Bytes, u64)>, BackendError> {
@@ -192,9 +196,6 @@ impl Backend for NatsBackend {
 
     async fn renew(&self, instance: &str, token: u64, _ttl: Duration) -> Result<Renew, BackendError> {
         let value = format!("{instance}:{token}");
-        // Something may have lowered the lease bucket's age limit below this term's ttl
-        // (an older replica, an operator): raise it before relying on it again.
-        self.lease.ensure_age().await?;
         if let Some((v, rev)) = self.read(&self.lease, LEADER).await? {
             if v.as_ref() != value.as_bytes() {
                 return Ok(Renew::TakenBy { holder: String::from_utf8_lossy(&v).into_owned() });
@@ -284,6 +285,19 @@ impl Backend for NatsBackend {
 
     fn release_signal(&self) -> Option<Arc<Notify>> {
         Some(self.released.clone())
+    }
+}
+
+/// Checks the lease bucket's age limit every third of the ttl and raises it back when
+/// something lowered it below the ttl (an older replica, an operator): off the renewal
+/// path, so a slow link does not slow renewals.
+async fn keep_age(lease: Bucket, ttl: Duration) {
+    let every = (ttl / 3).max(Duration::from_millis(100));
+    loop {
+        tokio::time::sleep(every).await;
+        if let Err(e) = lease.ensure_age().await {
+            tracing::debug!(error = %e, "checking the lease bucket's age limit");
+        }
     }
 }
 

@@ -398,7 +398,7 @@ async fn a_replica_with_a_shorter_ttl_never_shortens_the_leaders_key() {
             sleep(Duration::from_millis(50)).await;
         }
     };
-    timeout(WAIT, raised).await.expect("the leader's renewal raised the age limit again");
+    timeout(WAIT, raised).await.expect("the replicas raised the age limit again");
     assert!(term_a.is_active(), "a still leads");
     no_event(&mut b);
     drop((a, b));

@@ -350,22 +350,17 @@ impl Bucket {
     }
 
     /// Checks the bucket's age limit against the configured one and raises it when
-    /// something lowered it (an older replica, an operator): each lease renewal calls it.
+    /// something lowered it (an older replica, an operator); the lease checks it every
+    /// third of its ttl. Leaves the cached handle alone (a failed check is not the
+    /// operations' business).
     pub async fn ensure_age(&self) -> Result<(), NatsError> {
         if let Some(problem) = self.name_problem() {
             return Err(NatsError::Config(problem));
         }
         let js = self.nats.js.clone();
         let name = format!("KV_{}", self.config.bucket);
-        let run = async {
-            let stream = self.nats.bounded("bucket info", js.get_stream(name)).await?;
-            self.keep_age_at_least(&stream).await
-        };
-        let out = Box::pin(run).await;
-        if out.is_err() {
-            self.invalidate().await;
-        }
-        out
+        let stream = self.nats.bounded("bucket info", js.get_stream(name)).await?;
+        self.keep_age_at_least(&stream).await
     }
 
     /// Forgets the handle after a failure, so the next call looks the bucket up again

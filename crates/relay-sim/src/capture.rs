@@ -27,8 +27,9 @@ pub fn repeat(frames: &[Bytes], times: usize) -> Vec<Bytes> {
 /// [`repeat`], with each copy's dates moved one day later than the previous copy's (every
 /// `YYYY-MM-DDT` of the copy's date, event times and record timestamps alike), so relay
 /// time keeps increasing across copies as on a real relay — what time-based relay
-/// switching relies on. A copy's events repeat the first copy's (repo, rev) pairs, but a
-/// day apart: they are never taken for one another within a switch overlap.
+/// switching relies on. Revs (TIDs, a clock of their own) move a day per copy too, in
+/// the event and its blocks alike: a repo's revs keep increasing, as a real repo's do, so
+/// no copy is taken for a replay of the one before.
 #[must_use]
 pub fn repeat_in_time(frames: &[Bytes], times: usize) -> Vec<Bytes> {
     let date = frames.iter().find_map(|f| match relay_client::decode(f).ok()? {
@@ -44,11 +45,50 @@ pub fn repeat_in_time(frames: &[Bytes], times: usize) -> Vec<Bytes> {
             .checked_add(time::Duration::days(i64::try_from(k).unwrap_or(i64::MAX)))
             .and_then(|d| d.format(&format).ok());
         let day = day.unwrap_or_else(|| date.clone());
+        let days = u64::try_from(k).unwrap_or(0);
         for f in frames {
-            out.push(Bytes::from(replace_all(f, date.as_bytes(), day.as_bytes())));
+            let mut b = replace_all(f, date.as_bytes(), day.as_bytes());
+            for (old, new) in revs_of(f).into_iter().filter_map(|r| Some((r.clone(), shift_tid(&r, days)?))) {
+                b = replace_all(&b, old.as_bytes(), new.as_bytes());
+            }
+            out.push(Bytes::from(b));
         }
     }
     repeat(&out, 1)
+}
+
+/// The revs a frame names (a commit's rev and since, a sync's rev).
+fn revs_of(f: &[u8]) -> Vec<String> {
+    match relay_client::decode(f) {
+        Ok(relay_client::Frame::Message(relay_client::Message::Commit(c))) => {
+            std::iter::once(c.rev).chain(c.since).map(str::to_owned).collect()
+        }
+        Ok(relay_client::Frame::Message(relay_client::Message::Sync(s))) => vec![s.rev.to_owned()],
+        _ => Vec::new(),
+    }
+}
+
+/// The TID alphabet (base32, sortable).
+const TID_ALPHABET: &[u8; 32] = b"234567abcdefghijklmnopqrstuvwxyz";
+
+/// `tid` moved `days` later (its microseconds), same width; `None` if it is not a TID.
+fn shift_tid(tid: &str, days: u64) -> Option<String> {
+    if tid.len() != 13 {
+        return None;
+    }
+    let mut v: u64 = 0;
+    for c in tid.bytes() {
+        let d = TID_ALPHABET.iter().position(|a| *a == c)?;
+        v = v.checked_mul(32)? + d as u64;
+    }
+    let v = v.checked_add(days.checked_mul(86_400_000_000)?.checked_shl(10)?)?;
+    let mut out = [0u8; 13];
+    let mut x = v;
+    for o in out.iter_mut().rev() {
+        *o = TID_ALPHABET[(x % 32) as usize];
+        x /= 32;
+    }
+    String::from_utf8(out.to_vec()).ok()
 }
 
 /// `hay` with every `from` replaced by `to` (same length).

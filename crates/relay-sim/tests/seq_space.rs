@@ -55,4 +55,17 @@ fn repeat_in_time_moves_each_copy_a_day_later_and_keeps_frames_valid() {
     let n = k.len() / 3;
     assert!(k[n].2.starts_with("2026-12-03T") && k[2 * n].2.starts_with("2026-12-04T"), "{:?}", (&k[n].2, &k[2 * n].2));
     assert!(k[n - 1].2 < k[n].2, "time increases across copies");
+    // Each repo's revs keep increasing across copies, and the chain continues inside a copy.
+    let mut last: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let mut chained = 0;
+    for f in &three {
+        if let Ok(Frame::Message(relay_client::Message::Commit(c))) = relay_client::decode(f) {
+            if let Some(prev) = last.get(c.repo) {
+                assert!(c.rev > prev.as_str(), "{}: rev {} after {prev}", c.repo, c.rev);
+                chained += usize::from(c.since == Some(prev.as_str()));
+            }
+            last.insert(c.repo.to_owned(), c.rev.to_owned());
+        }
+    }
+    assert!(chained > 0, "since still names the previous rev within a copy");
 }
