@@ -511,21 +511,29 @@ impl Leader<'_, '_> {
         }
     }
 
-    /// Stays on the relay it had after a refused switch: shows and counts the refusal
-    /// (logged at most once a minute), and resumes there from the committed position.
-    fn refuse(&mut self, from: RelayRole, why: &Refusal) {
+    /// Stays on the relay it had after a refused switch: counts the refusal (logged at
+    /// most once a minute) and resumes there from the committed position. A refused
+    /// failover is shown (`/status`, not ready, the gauge): nothing flows until the relay
+    /// returns. A refused failback is not: the secondary still serves.
+    fn refuse(&mut self, from: RelayRole, why: &Refusal, reason: SwitchReason) {
         metrics::counter!(m::SWITCH_REFUSED).increment(1);
-        metrics::gauge!(m::SWITCH_REFUSED_NOW).set(1.0);
         let now = std::time::Instant::now();
         let log = self.refused.as_ref().is_none_or(|r| now.duration_since(r.logged) >= REFUSAL_LOG_EVERY);
-        if log {
-            tracing::error!(
-                relay = from.as_str(),
-                refused = %why,
-                "relay switch refused: staying on this relay and retrying it; not ready until events flow again"
-            );
+        if reason == SwitchReason::Failback {
+            if log {
+                tracing::warn!(relay = from.as_str(), refused = %why, "failback refused: staying on the secondary relay");
+            }
+        } else {
+            if log {
+                tracing::error!(
+                    relay = from.as_str(),
+                    refused = %why,
+                    "relay switch refused: staying on this relay and retrying it; not ready until events flow again"
+                );
+            }
+            metrics::gauge!(m::SWITCH_REFUSED_NOW).set(1.0);
+            self.cx.status.set_refused_switch(Some(why.to_string()));
         }
-        self.cx.status.set_refused_switch(Some(why.to_string()));
         let logged = if log { now } else { self.refused.as_ref().map_or(now, |r| r.logged) };
         self.refused = Some(Refused { probed: now, logged });
         self.sub.stay();
@@ -771,7 +779,7 @@ impl Leader<'_, '_> {
                         let start = self.p.committed.or(self.sub.cursor());
                         self.p = self.pipeline(from, start);
                         self.p.times.carry(at);
-                        self.refuse(from, &why);
+                        self.refuse(from, &why, reason);
                         Step::Next
                     }
                     Err(s) => s,

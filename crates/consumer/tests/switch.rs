@@ -523,3 +523,42 @@ async fn a_switch_with_no_known_time_is_refused_instead_of_jumping_to_the_live_t
     run.await.expect("join").expect("clean stop");
     oracle.assert_exactly_once(&want);
 }
+
+/// The primary comes back keeping only its latest 20 events, less than the outage: a
+/// failback would skip what it no longer serves, so it is refused; the leader stays on
+/// the secondary, which still serves, stays ready and shows no refusal, and loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failback_to_a_primary_whose_window_is_shorter_than_the_outage_is_refused_quietly() {
+    let want = keys(&frames());
+    let frames = frames();
+    let addr = "127.0.0.1:0".parse().expect("addr");
+    let paced = SimConfig { initial_head: Some(0), rate: Some(250), ..SimConfig::default() };
+    let primary = RelaySim::start_with(frames.clone(), SimConfig { window_len: Some(20), ..paced.clone() }, addr)
+        .await
+        .expect("primary");
+    let secondary =
+        RelaySim::start_with(relay_sim::reseq(&frames, 1_000_000, 16, 7), paced, addr).await.expect("secondary");
+    let dir = testkit::tmpdir("switch-failback-refused");
+    let oracle = Arc::new(Oracle::default());
+    let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
+    on(&status, RelayRole::Primary, "leading on the primary").await;
+    delivered_at_least(&oracle, 300).await;
+    primary.handle().set_down(true);
+    on(&status, RelayRole::Secondary, "failover").await;
+    delivered_at_least(&oracle, 900).await;
+    primary.handle().set_down(false);
+    let mut sampled = 0;
+    eventually("every event", WAIT, async || {
+        let s = status.snapshot();
+        assert!(s.refused_switch.is_none() && status.is_ready(), "a refused failback is not shown: {s:?}");
+        sampled += 1;
+        oracle.counts().len() >= want.len()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(status.snapshot().relay, Some(RelayRole::Secondary), "still on the secondary");
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    oracle.assert_exactly_once(&want);
+    assert!(sampled > 1);
+}
