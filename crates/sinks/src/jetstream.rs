@@ -71,6 +71,19 @@ impl Default for JetStreamConfig {
 pub struct JetStream {
     nats: Nats,
     cfg: JetStreamConfig,
+    /// The stream's settings, to create it again if it is deleted under the sink.
+    stream: stream::Config,
+}
+
+/// The stream is gone (deleted, or lost with the server's store).
+struct Missing;
+
+/// Why a batch did not land.
+enum Failure {
+    /// No stream holds the subjects.
+    Missing,
+    /// Anything else (retried as it is).
+    Handler(HandlerError),
 }
 
 /// True for a subject token made of what NSIDs allow (so a record path can never
@@ -128,7 +141,8 @@ impl JetStream {
             ..stream::Config::default()
         };
         let js = nats.jetstream().clone();
-        let s = nats.bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(config)).await?;
+        let s =
+            nats.bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(config.clone())).await?;
         let info = s.cached_info();
         if info.config.duplicate_window < window {
             tracing::warn!(
@@ -137,7 +151,27 @@ impl JetStream {
                 "the existing stream's duplicate window is shorter than FIREKEEPER_NATS_DUPLICATE_WINDOW_MS: events republished after a slower failover may be stored twice"
             );
         }
-        Ok(Self { nats: nats.clone(), cfg })
+        Ok(Self { nats: nats.clone(), cfg, stream: config })
+    }
+
+    /// After a publish found no stream (deleted under the sink, or a server that lost
+    /// its store): creates it again, so the retried batch lands. What the old stream held
+    /// is gone with it; nothing after the committed cursor is lost (the batch is retried
+    /// and the cursor never passed it).
+    async fn recreate(&self) {
+        let js = self.nats.jetstream().clone();
+        match self
+            .nats
+            .bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(self.stream.clone()))
+            .await
+        {
+            Ok(_) => {
+                tracing::error!(stream = %self.cfg.stream, "the stream was missing: created it again; what it held before is gone");
+            }
+            Err(e) => {
+                tracing::warn!(stream = %self.cfg.stream, error = %e, "the stream is missing and could not be created");
+            }
+        }
     }
 
     /// The subject of an event.
@@ -178,13 +212,42 @@ impl JetStream {
     }
 
     async fn publish(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        match self.publish_once(batch, ctx).await {
+            Err(Missing) => {
+                self.recreate().await;
+                Err(HandlerError::Failed(format!(
+                    "jetstream: stream {} was missing; created again, retrying",
+                    self.cfg.stream
+                )))
+            }
+            Ok(r) => r,
+        }
+    }
+
+    /// Publishes a batch; `Err(Missing)` when the server has no stream for its subjects.
+    async fn publish_once(&self, batch: &[Event], ctx: &BatchCtx) -> Result<Result<(), HandlerError>, Missing> {
+        let out = self.publish_inner(batch, ctx).await;
+        match out {
+            Err(Failure::Missing) => Err(Missing),
+            Err(Failure::Handler(e)) => Ok(Err(e)),
+            Ok(()) => Ok(Ok(())),
+        }
+    }
+
+    async fn publish_inner(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), Failure> {
         let js: &jetstream::Context = self.nats.jetstream();
-        let failed = |what: &str, err: &dyn std::fmt::Display| HandlerError::Failed(format!("jetstream {what}: {err}"));
+        let failed = |what: &str, err: &jetstream::context::PublishError| {
+            if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
+                Failure::Missing
+            } else {
+                Failure::Handler(HandlerError::Failed(format!("jetstream {what}: {err}")))
+            }
+        };
         let mut acks = Vec::with_capacity(batch.len());
         for e in batch {
             // Right before each publish: a publish may have waited (backpressure) past
             // the term's deadline.
-            ctx.ensure_active()?;
+            ctx.ensure_active().map_err(Failure::Handler)?;
             if let Some(b) = e.chain_break() {
                 let mut body = String::new();
                 b.write_json(e.seq(), &mut body);

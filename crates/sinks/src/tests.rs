@@ -307,6 +307,56 @@ async fn jetstream_stores_new_events_that_reuse_old_seqs_after_a_renumbering() {
     lease.abandon().await;
 }
 
+/// The stream deleted under the sink (an operator, a server that lost its store): the
+/// batch fails (the cursor does not pass it), the sink creates the stream again, and the
+/// retried batch lands. Before, every publish failed until a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_creates_a_deleted_stream_again_and_the_retried_batch_lands() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js-deleted");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let (nats, sink) = js_sink(&server.url(), 0).await;
+    let evs = events(30);
+    sink.handle(&evs[..10], &ctx).await.expect("published");
+    nats.jetstream().delete_stream("FIREKEEPER").await.expect("deleted under the sink");
+    let e = sink.handle(&evs[10..], &ctx).await.expect_err("the batch fails while the stream is missing");
+    assert!(e.to_string().contains("missing"), "{e}");
+    sink.handle(&evs[10..], &ctx).await.expect("the retry lands");
+    let got = stream_messages(&nats).await;
+    let ids: Vec<&str> = got.iter().map(|m| m.1.as_str()).collect();
+    let want: Vec<String> = evs[10..].iter().map(|e| crate::jetstream::message_id("fp", e)).collect();
+    assert_eq!(ids, want, "the new stream holds the retried batch, once, in order");
+    lease.abandon().await;
+}
+
+/// A duplicate window shorter than a failover: a replay after the window is stored
+/// again (duplicates, said in the README), never lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_with_a_duplicate_window_shorter_than_the_outage_duplicates_but_loses_nothing() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js-window");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let nats = nats_op::Nats::connect(&nats_op::NatsConfig {
+        url: server.url(),
+        creds_file: None,
+        token: None,
+        op_timeout: Duration::from_secs(2),
+    })
+    .await
+    .expect("connect");
+    let cfg = JetStreamConfig { duplicate_window: Duration::from_millis(300), ..JetStreamConfig::default() };
+    let sink = JetStream::open(&nats, cfg).await.expect("open");
+    let evs = events(20);
+    sink.handle(&evs, &ctx).await.expect("published");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    sink.handle(&evs[10..], &ctx).await.expect("replayed after the window");
+    let got = stream_messages(&nats).await;
+    let ids: std::collections::HashSet<&str> = got.iter().map(|m| m.1.as_str()).collect();
+    assert!(evs.iter().all(|e| ids.contains(crate::jetstream::message_id("fp", e).as_str())), "nothing lost");
+    assert_eq!(got.len(), 30, "the replay past the window is stored again");
+    lease.abandon().await;
+}
+
 /// With partitions, every repo's events share one partition subject.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_partitions_keep_each_repo_in_one_subject() {
