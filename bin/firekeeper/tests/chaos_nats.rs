@@ -244,3 +244,36 @@ async fn jetstream_sink_holds_every_event_exactly_once_in_order_per_repo_under_l
     eprintln!("jetstream under {kills} leader kills: {} messages, each once", msgs.len());
     c.check_terms_and_cursor(0);
 }
+
+/// NATS-only faults: the lease and state buckets deleted under a running cluster (an
+/// operator's `nats kv rm`): the fence, the cursors and the lease key are gone at once.
+/// Replicas recreate the buckets; the leader retakes its key or a new term starts above
+/// every token any replica saw; the cursor comes back from what the replicas shadowed;
+/// nothing is lost and the stored cursor never goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_buckets_deleted_under_the_cluster_lose_nothing() {
+    let (c, _, t) = started("nbuckets", nats_spec(3)).await;
+    progress(&c, 400).await;
+    let n = c.nats.as_ref().expect("nats").connect(Duration::from_secs(2)).await;
+    for bucket in ["KV_firekeeper-lease", "KV_firekeeper-state"] {
+        n.jetstream().delete_stream(bucket).await.expect("deleted");
+    }
+    c.wait_complete().await;
+    let (_, t2) = c.wait_leader(None).await;
+    assert!(t2 >= t, "token {t2} after {t}");
+    c.check();
+}
+
+/// NATS restarted with its store directory lost (a new volume): every bucket and its
+/// fence are gone. As above, nothing is lost, tokens never go back within a process, the
+/// stored cursor ends at the last seq.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_restarted_with_its_store_lost_loses_nothing() {
+    let (mut c, _, t) = started("nwiped", nats_spec(3)).await;
+    progress(&c, 400).await;
+    server(&mut c).wipe();
+    c.wait_complete().await;
+    let (_, t2) = c.wait_leader(None).await;
+    assert!(t2 >= t, "token {t2} after {t}");
+    c.check();
+}
