@@ -3,7 +3,7 @@
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
 #   make bench   decode benchmark (criterion), the chain check's memory, figures through the real binary
 #   make chaos   the fault suites (Redis and NATS) at scale 4 (make test runs both at scale 1)
-#   make soak    30 minutes of random faults under the chaos oracle (make test runs 20 s)
+#   make soak    30 minutes of random faults under the chaos oracle, on Redis and on NATS (make test runs 20 s each)
 #   make lint    the CI style gates: rustfmt check, clippy (pedantic) with warnings as errors
 
 CARGO ?= cargo
@@ -36,7 +36,7 @@ chaos: deps
 	FK_TEST_CHAOS_SCALE=4 $(CARGO) nextest run -p firekeeper --test chaos --test chaos_nats --no-fail-fast
 
 soak: deps
-	FK_TEST_SOAK_SECS=$${FK_TEST_SOAK_SECS:-1800} $(CARGO) nextest run -p firekeeper --test chaos --no-capture -E 'test(soak)'
+	FK_TEST_SOAK_SECS=$${FK_TEST_SOAK_SECS:-1800} $(CARGO) nextest run -p firekeeper --test chaos --test chaos_nats --no-capture -E 'test(soak)'
 
 lint:
 	$(CARGO) fmt --all --check

@@ -381,83 +381,12 @@ async fn failover_to_a_lagging_redis_replica_replays_but_never_loses_or_reuses_a
 }
 
 /// Random kills, pauses, partitions, half-open links, Redis stalls and relay drops under
-/// the oracle. `make test` runs it for 20 s; `make soak` for 30 minutes
-/// (`FK_TEST_SOAK_SECS`). The seed is printed; `FK_TEST_SOAK_SEED` replays a run.
+/// the oracle ([`testkit::soak::run`], the same scenario as on NATS). `make test` runs it
+/// for 20 s; `make soak` for 30 minutes (`FK_TEST_SOAK_SECS`). The seed is printed;
+/// `FK_TEST_SOAK_SEED` replays a run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_random_faults_under_the_oracle() {
-    let secs: u64 = std::env::var("FK_TEST_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
-    let seed: u64 = std::env::var("FK_TEST_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
-    });
-    let rate = if secs <= 60 { 300 } else { 50 };
-    let copies = usize::try_from(secs * u64::from(rate) / 1476 + 1).unwrap_or(1);
-    eprintln!("soak: {secs} s, seed {seed}, {rate} frames/s, {copies} copies of the fixture");
-    let mut rng = seed;
-    let mut next = move |n: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % n
-    };
-    let (mut c, _, _) = started("soak", Spec { copies, rate: Some(rate), ..Spec::default() }).await;
-    let until = std::time::Instant::now() + Duration::from_secs(secs);
-    let mut faults: std::collections::BTreeMap<&'static str, usize> = std::collections::BTreeMap::new();
-    while std::time::Instant::now() < until {
-        sleep(Duration::from_millis(500 + next(2000))).await;
-        let Some((l, _)) = c.leader().await else { continue };
-        let fault = match next(8) {
-            0 => {
-                c.replicas[l].sigkill();
-                sleep(Duration::from_millis(500 + next(1000))).await;
-                c.replicas[l].start();
-                "sigkill leader"
-            }
-            1 => {
-                c.replicas[l].sigstop();
-                sleep(Duration::from_millis(2500)).await;
-                c.replicas[l].sigcont();
-                "sigstop leader past ttl"
-            }
-            2 => {
-                c.proxies[l].set_cut(true);
-                sleep(Duration::from_secs(3)).await;
-                c.proxies[l].set_cut(false);
-                "cut leader from redis"
-            }
-            3 => {
-                c.redis.pause();
-                sleep(Duration::from_millis(300 + next(2700))).await;
-                c.redis.resume();
-                "pause redis"
-            }
-            4 => {
-                c.proxies[l].set_flow(testkit::Flow::Blackhole);
-                sleep(Duration::from_secs(3)).await;
-                c.proxies[l].set_flow(testkit::Flow::Pass);
-                "half-open leader link"
-            }
-            5 => {
-                c.relay.handle().close_all();
-                "relay drops connections"
-            }
-            6 => {
-                let _ = c.replicas[l].sigterm().await;
-                c.replicas[l].start();
-                "sigterm leader"
-            }
-            _ => {
-                c.proxies[l].set_latency(Duration::from_millis(400));
-                sleep(Duration::from_secs(2)).await;
-                c.proxies[l].set_latency(Duration::ZERO);
-                "latency above the op timeout"
-            }
-        };
-        *faults.entry(fault).or_default() += 1;
-    }
-    c.relay.handle().publish_up_to(usize::MAX);
-    c.wait_complete().await;
-    let dups = c.check();
-    eprintln!("soak: seed {seed}: faults {faults:?}; {dups} seqs replayed of {}", c.total);
+    testkit::soak::run("soak", false).await;
 }
 
 /// Waits until the current leader reports `relay`; returns it.

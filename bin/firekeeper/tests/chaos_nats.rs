@@ -277,3 +277,11 @@ async fn nats_restarted_with_its_store_lost_loses_nothing() {
     assert!(t2 >= t, "token {t2} after {t}");
     c.check();
 }
+
+/// The soak on NATS: the Redis suite's random faults (the same [`testkit::soak::run`])
+/// plus NATS restarts, against the NATS lease and cursors. `make soak` runs it for 30
+/// minutes beside the Redis one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_soak_random_faults_under_the_oracle() {
+    testkit::soak::run("nsoak", true).await;
+}

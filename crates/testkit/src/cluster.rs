@@ -174,6 +174,50 @@ impl Default for Spec {
     }
 }
 
+/// The seam a fault scenario drives the lease and cursor store's server through, so
+/// one scenario runs on Redis and on NATS alike.
+pub trait StoreServer {
+    /// Which server (`redis`, `nats`), for messages.
+    fn kind(&self) -> &'static str;
+    /// SIGSTOP: sockets kept, nothing answered.
+    fn pause(&self);
+    /// SIGCONT.
+    fn resume(&self);
+    /// Killed and started again on the same port (Redis comes back empty; NATS keeps
+    /// its store).
+    fn restart(&mut self);
+}
+
+impl StoreServer for crate::RedisServer {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+    fn pause(&self) {
+        Self::pause(self);
+    }
+    fn resume(&self) {
+        Self::resume(self);
+    }
+    fn restart(&mut self) {
+        Self::restart(self);
+    }
+}
+
+impl StoreServer for crate::NatsServer {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+    fn pause(&self) {
+        Self::pause(self);
+    }
+    fn resume(&self) {
+        Self::resume(self);
+    }
+    fn restart(&mut self) {
+        Self::restart(self);
+    }
+}
+
 /// A running cluster: dropped, it stops the watchers; each `Replica` kills its process.
 pub struct Cluster {
     /// The Redis every replica's lease and cursor live on (unused with `Spec::nats`).
@@ -348,6 +392,15 @@ fn preseed(
 }
 
 impl Cluster {
+    /// The server the replicas' lease and cursors live on: NATS in a `Spec::nats`
+    /// cluster, else Redis.
+    pub fn store_server(&mut self) -> &mut dyn StoreServer {
+        match self.nats.as_mut() {
+            Some(n) => n,
+            None => &mut self.redis,
+        }
+    }
+
     /// Starts Redis, the relays and the proxies (not the replicas: see `start_all`).
     pub async fn start(name: &str, spec: Spec) -> Self {
         let dir = tmpdir(name);

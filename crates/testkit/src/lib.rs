@@ -15,6 +15,7 @@
 pub mod cluster;
 pub mod http;
 pub mod proc;
+pub mod soak;
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::process::{Child, Command, Stdio};
