@@ -285,3 +285,122 @@ async fn nats_restarted_with_its_store_lost_loses_nothing() {
 async fn nats_soak_random_faults_under_the_oracle() {
     testkit::soak::run("nsoak", true).await;
 }
+
+/// `/status` of a replica at `http` as JSON (null when it does not answer).
+async fn status_at(http: &str) -> serde_json::Value {
+    let body = testkit::http::http_get(http, "/status").await.map(|r| r.1).unwrap_or_default();
+    serde_json::from_str(&body).unwrap_or(serde_json::Value::Null)
+}
+
+/// The review's reproduction, through the binary: the relay restarts its numbering
+/// under `FIREKEEPER_FUTURE_CURSOR=live`, and the live events reuse seqs the stream
+/// already holds. With `Nats-Msg-Id = <fingerprint>:<seq>` the server acknowledged them
+/// as duplicates and the cursor moved past them: `/status` committed 100, 0 of 100 live
+/// events in the stream. Now every live event is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_stores_the_live_events_of_a_relay_that_renumbered() {
+    let nats = testkit::NatsServer::start();
+    let relay = relay_sim::RelaySim::start_with(
+        testkit::fixture_frames(),
+        relay_sim::SimConfig { initial_head: Some(200), ..relay_sim::SimConfig::default() },
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let h = relay.handle();
+    let dir = testkit::tmpdir("js-renumber");
+    let mut env = testkit::proc::base_env(&relay.url(), &dir);
+    let http = format!("127.0.0.1:{}", testkit::free_port());
+    for (k, v) in [
+        ("NATS_URL", nats.url()),
+        ("FIREKEEPER_SINK", "nats".into()),
+        ("FIREKEEPER_FUTURE_CURSOR", "live".into()),
+        ("FIREKEEPER_HTTP_ADDR", http.clone()),
+    ] {
+        env.insert(k.into(), v);
+    }
+    let o = testkit::proc::run_once(&env, &["cursor", "set", "0"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let child = testkit::proc::firekeeper(&env, &[], &dir.join("fk.log"));
+    let committed = |n: u64| {
+        let http = http.clone();
+        async move { status_at(&http).await["committed"].as_u64() == Some(n) }
+    };
+    testkit::eventually("the first 200 committed", testkit::WAIT, async || committed(200).await).await;
+    // The relay restarts with a fresh sequence: what it had not yet published is
+    // numbered from 1 (50 of them while it is down: a gap accepted under `live`).
+    h.set_down(true);
+    h.reset_seq(1);
+    h.publish_up_to(250);
+    h.set_down(false);
+    testkit::eventually("a live (cursor-less) connection after FutureCursor", testkit::WAIT, async || {
+        h.cursors().contains(&None)
+    })
+    .await;
+    h.publish_up_to(350);
+    testkit::eventually("the 100 live events committed", testkit::WAIT, async || committed(150).await).await;
+    assert!(testkit::proc::sigterm_and_wait(child).success());
+    let msgs = stream(&nats.url()).await;
+    let seqs: Vec<u64> = msgs.iter().filter_map(|(_, _, b)| b["seq"].as_u64()).collect();
+    let mut live = seqs[seqs.len().min(200)..].to_vec();
+    live.sort_unstable();
+    assert_eq!(msgs.len(), 300, "200 from the first numbering and the 100 live ones: {} stored", msgs.len());
+    assert_eq!(live, (51..=150).collect::<Vec<u64>>(), "the live events, renumbered, each once (lanes interleave)");
+}
+
+/// The review's rolling change of `FIREKEEPER_LEASE_TTL_MS` (10 s → 1 s) on NATS, through
+/// the binary: a replica started with the shorter ttl opened the lease bucket and lowered
+/// its age limit, the leader's key expired between its renewals, and the new replica led
+/// too (two terms active for ~0.9 s). Both replicas' `/status` are sampled every 20 ms
+/// for 6 s: never two leaders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_ttl_change_never_gives_two_leaders() {
+    let nats = testkit::NatsServer::start();
+    let relay = testkit::proc::sim(Some(100)).await;
+    let dir = testkit::tmpdir("n-rolling-ttl");
+    let mut base = testkit::proc::base_env(&relay.url(), &dir);
+    base.insert("NATS_URL".into(), nats.url());
+    base.insert("FIREKEEPER_SINK".into(), "null".into());
+    assert!(testkit::proc::run_once(&base, &["cursor", "set", "0"]).status.success());
+    let replica = |name: &str, ttl: &str, renew: &str, margin: &str| {
+        let mut env = base.clone();
+        let http = format!("127.0.0.1:{}", testkit::free_port());
+        for (k, v) in [
+            ("FIREKEEPER_HTTP_ADDR", http.clone()),
+            ("FIREKEEPER_INSTANCE_ID", name.to_owned()),
+            ("FIREKEEPER_LEASE_TTL_MS", ttl.to_owned()),
+            ("FIREKEEPER_LEASE_RENEW_MS", renew.to_owned()),
+            ("FIREKEEPER_LEASE_MARGIN_MS", margin.to_owned()),
+            ("FIREKEEPER_LEASE_POLL_MS", "100".to_owned()),
+            ("FIREKEEPER_DRAIN_BUDGET_MS", "1000".to_owned()),
+        ] {
+            env.insert(k.into(), v);
+        }
+        (testkit::proc::firekeeper(&env, &[], &dir.join(format!("{name}.log"))), http)
+    };
+    let (a, a_http) = replica("old", "10000", "3000", "2000");
+    testkit::eventually("the old replica leads", testkit::WAIT, async || status_at(&a_http).await["role"] == "leader")
+        .await;
+    let (b, b_http) = replica("new", "1000", "200", "300");
+    testkit::eventually("the new replica stands by", testkit::WAIT, async || {
+        status_at(&b_http).await["role"] == "standby"
+    })
+    .await;
+    let until = Instant::now() + Duration::from_secs(6);
+    let mut samples = 0;
+    while Instant::now() < until {
+        let (sa, sb) = (status_at(&a_http).await, status_at(&b_http).await);
+        assert!(
+            !(sa["role"] == "leader" && sb["role"] == "leader"),
+            "two leaders at once: old token {} and new token {}",
+            sa["token"],
+            sb["token"]
+        );
+        samples += 1;
+        sleep(Duration::from_millis(20)).await;
+    }
+    assert!(samples > 50);
+    assert_eq!(status_at(&a_http).await["role"], "leader", "the old replica kept its term");
+    assert!(testkit::proc::sigterm_and_wait(b).success());
+    assert!(testkit::proc::sigterm_and_wait(a).success());
+}
