@@ -212,6 +212,10 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
 }
 
 async fn js_sink(url: &str, partitions: u32) -> (nats_op::Nats, JetStream) {
+    js_sink_with(url, JetStreamConfig { partitions, ..JetStreamConfig::default() }).await
+}
+
+async fn js_sink_with(url: &str, cfg: JetStreamConfig) -> (nats_op::Nats, JetStream) {
     let nats = nats_op::Nats::connect(&nats_op::NatsConfig {
         url: url.to_owned(),
         creds_file: None,
@@ -220,8 +224,7 @@ async fn js_sink(url: &str, partitions: u32) -> (nats_op::Nats, JetStream) {
     })
     .await
     .expect("connect");
-    let sink =
-        JetStream::open(&nats, JetStreamConfig { partitions, ..JetStreamConfig::default() }).await.expect("open");
+    let sink = JetStream::open(&nats, cfg).await.expect("open");
     (nats, sink)
 }
 
@@ -336,16 +339,8 @@ async fn jetstream_with_a_duplicate_window_shorter_than_the_outage_duplicates_bu
     let server = testkit::NatsServer::start();
     let dir = testkit::tmpdir("sink-js-window");
     let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let nats = nats_op::Nats::connect(&nats_op::NatsConfig {
-        url: server.url(),
-        creds_file: None,
-        token: None,
-        op_timeout: Duration::from_secs(2),
-    })
-    .await
-    .expect("connect");
     let cfg = JetStreamConfig { duplicate_window: Duration::from_millis(300), ..JetStreamConfig::default() };
-    let sink = JetStream::open(&nats, cfg).await.expect("open");
+    let (nats, sink) = js_sink_with(&server.url(), cfg).await;
     let evs = events(20);
     sink.handle(&evs, &ctx).await.expect("published");
     tokio::time::sleep(Duration::from_millis(800)).await;

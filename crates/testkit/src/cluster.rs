@@ -188,35 +188,27 @@ pub trait StoreServer {
     fn restart(&mut self);
 }
 
-impl StoreServer for crate::RedisServer {
-    fn kind(&self) -> &'static str {
-        "redis"
-    }
-    fn pause(&self) {
-        Self::pause(self);
-    }
-    fn resume(&self) {
-        Self::resume(self);
-    }
-    fn restart(&mut self) {
-        Self::restart(self);
-    }
+/// Both servers answer the seam with their own methods of the same names.
+macro_rules! store_server {
+    ($t:ty, $kind:literal) => {
+        impl StoreServer for $t {
+            fn kind(&self) -> &'static str {
+                $kind
+            }
+            fn pause(&self) {
+                Self::pause(self);
+            }
+            fn resume(&self) {
+                Self::resume(self);
+            }
+            fn restart(&mut self) {
+                Self::restart(self);
+            }
+        }
+    };
 }
-
-impl StoreServer for crate::NatsServer {
-    fn kind(&self) -> &'static str {
-        "nats"
-    }
-    fn pause(&self) {
-        Self::pause(self);
-    }
-    fn resume(&self) {
-        Self::resume(self);
-    }
-    fn restart(&mut self) {
-        Self::restart(self);
-    }
-}
+store_server!(crate::RedisServer, "redis");
+store_server!(crate::NatsServer, "nats");
 
 /// A running cluster: dropped, it stops the watchers; each `Replica` kills its process.
 pub struct Cluster {
