@@ -6,55 +6,24 @@
 //! cursor never regresses and ends at the last seq; duplicates only where a crash (or a
 //! forced loss) left delivered-but-uncommitted events, none on graceful paths.
 
+//!
+//! The scenarios both backends share are written once in `testkit::faults` and called
+//! here and in `chaos_nats.rs`.
+
 use std::time::Duration;
 
 use testkit::cluster::{Cluster, Spec};
+use testkit::faults::{self, progress, scale, started};
 use tokio::time::sleep;
-
-fn scale() -> usize {
-    std::env::var("FK_TEST_CHAOS_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
-}
-
-async fn started(name: &str, spec: Spec) -> (Cluster, usize, u64) {
-    let mut c = Cluster::start(name, spec).await;
-    c.start_all();
-    let (l, t) = c.wait_leader(None).await;
-    (c, l, t)
-}
-
-/// Waits until the output holds at least `n` distinct seqs.
-async fn progress(c: &Cluster, n: usize) {
-    let deadline = std::time::Instant::now() + testkit::WAIT;
-    while c.seen().len() < n {
-        assert!(std::time::Instant::now() < deadline, "no progress; logs in {}", c.dir.display());
-        sleep(Duration::from_millis(20)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_leader() {
-    for round in 0..scale() {
-        let (mut c, l, t) = started(&format!("kill{round}"), Spec { copies: 2, ..Spec::default() }).await;
-        progress(&c, 500).await;
-        c.replicas[l].sigkill();
-        let (l2, t2) = c.wait_leader(Some(l)).await;
-        assert_ne!(l2, l);
-        assert!(t2 > t, "new term, greater token");
-        c.replicas[l].start(); // back as a standby
-        c.wait_complete().await;
-        let dups = c.check();
-        eprintln!("sigkill round {round}: {dups} seqs replayed after the crash");
-    }
+    faults::sigkill_leader("kill", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_leader_hands_over_without_duplicates() {
-    let (mut c, l, _) = started("term", Spec { copies: 2, ..Spec::default() }).await;
-    progress(&c, 500).await;
-    assert!(c.replicas[l].sigterm().await, "graceful exit 0");
-    c.wait_leader(Some(l)).await;
-    c.wait_complete().await;
-    assert_eq!(c.check(), 0, "a graceful handover duplicates nothing");
+    faults::sigterm_hands_over("term", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,22 +41,10 @@ async fn rolling_restart_of_all_three() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_leader_past_ttl_then_sigcont() {
-    let (c, l, t) = started("stop", Spec { copies: 2, ..Spec::default() }).await;
-    progress(&c, 400).await;
-    c.replicas[l].sigstop();
-    let (_, t2) = c.wait_leader(Some(l)).await;
-    assert!(t2 > t);
-    let before = c.seen().values().flatten().filter(|(_, tok)| *tok == t).count();
-    c.replicas[l].sigcont();
-    sleep(Duration::from_secs(1)).await;
-    let after = c.seen().values().flatten().filter(|(_, tok)| *tok == t).count();
+    let (c, _, t2, stale) = faults::sigstop_past_ttl("stop", false).await;
     // A batch the frozen process had already begun writing may land after it wakes
     // (jsonl is not a fenced sink); nothing more, and its cursor commits are refused.
-    assert!(after - before <= 512, "{} stale lines after waking", after - before);
-    let status = c.replicas[l].status().await.expect("woken replica answers");
-    assert_eq!(status["role"], "standby", "the woken replica knows it lost");
-    c.wait_complete().await;
-    c.check();
+    assert!(stale <= 512, "{stale} stale lines after waking");
     assert!(c.fence_seen() >= t2, "commits continued under the new token");
 }
 
@@ -146,30 +103,12 @@ async fn redis_flushall_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_cut_off_from_redis_while_standbys_are_not() {
-    let (c, l, t) = started("cut", Spec { copies: 2, ..Spec::default() }).await;
-    progress(&c, 400).await;
-    c.proxies[l].set_cut(true);
-    let (l2, t2) = c.wait_leader(Some(l)).await;
-    assert!(t2 > t && l2 != l);
-    c.proxies[l].set_cut(false);
-    c.wait_complete().await;
-    c.check();
-    let s = c.replicas[l].status().await.expect("status");
-    assert_eq!(s["role"], "standby");
+    faults::leader_cut_off("cut", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latency_on_the_leaders_redis_link_below_the_op_timeout_does_not_flap() {
-    let (c, l, t) = started("slow", Spec { copies: 2, ..Spec::default() }).await;
-    progress(&c, 300).await;
-    // 60 ms each way (120 ms per round trip) against a 250 ms op timeout: 80 ms each way
-    // left 90 ms of slack, which a full parallel `make test` on 2 cores once used up.
-    c.proxies[l].set_latency(Duration::from_millis(60));
-    sleep(Duration::from_secs(2)).await;
-    c.proxies[l].set_latency(Duration::ZERO);
-    c.wait_complete().await;
-    assert_eq!(c.leader().await, Some((l, t)));
-    assert_eq!(c.check(), 0);
+    faults::latency_below_the_op_timeout("slow", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -245,37 +184,12 @@ async fn latency_on_the_leaders_redis_link_above_the_op_timeout_hands_over() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_replies_on_the_leaders_redis_link_lose_nothing() {
-    let (c, l, _) = started("lost-replies", Spec { copies: 2, ..Spec::default() }).await;
-    progress(&c, 300).await;
-    // Renewals and commits are applied, their answers never arrive.
-    c.proxies[l].set_flow(testkit::Flow::DropReplies);
-    let t0 = std::time::Instant::now();
-    let deadline = std::time::Instant::now() + testkit::WAIT;
-    while c.replicas[l].status().await.is_some_and(|s| s["role"] == "leader") {
-        assert!(std::time::Instant::now() < deadline, "the leader never noticed its replies were lost");
-        sleep(Duration::from_millis(20)).await;
-    }
-    eprintln!("lost replies: the leader stopped after {:?}", t0.elapsed());
-    c.proxies[l].set_flow(testkit::Flow::Pass);
-    c.wait_leader(None).await;
-    c.wait_complete().await;
-    c.check();
+    faults::lost_replies("lost-replies", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_open_redis_link_to_the_leader_hands_over_at_its_deadline() {
-    let (c, l, t) = started("half-open", Spec { copies: 2, ..Spec::default() }).await;
-    progress(&c, 300).await;
-    // No reset, no answer: every open connection just stops.
-    c.proxies[l].set_flow(testkit::Flow::Blackhole);
-    let (l2, t2, took) = handover_from(&c, l).await;
-    eprintln!("half-open link: handover after {took:?}");
-    assert!(t2 > t && l2 != l);
-    let s = c.replicas[l].status().await.expect("status");
-    assert_ne!(s["role"], "leader", "the cut-off leader stopped");
-    c.proxies[l].set_flow(testkit::Flow::Pass);
-    c.wait_complete().await;
-    c.check();
+    faults::half_open_link("half-open", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,35 +4,19 @@
 //! never go down within a process, the stored cursor never regresses and ends at the last
 //! seq, never two leaders at once. And the JetStream sink end to end: leader killed every
 //! few seconds, the stream holds every event exactly once, in order per repo.
+//!
+//! The scenarios both backends share are written once in `testkit::faults` (the Redis
+//! suite calls the same functions); the rest are NATS's own.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use testkit::cluster::{Cluster, Spec};
+use testkit::faults::{self, progress, started};
 use tokio::time::sleep;
 
-fn scale() -> usize {
-    std::env::var("FK_TEST_CHAOS_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
-}
-
 fn nats_spec(copies: usize) -> Spec {
-    Spec { copies, nats: true, ..Spec::default() }
-}
-
-async fn started(name: &str, spec: Spec) -> (Cluster, usize, u64) {
-    let mut c = Cluster::start(name, spec).await;
-    c.start_all();
-    let (l, t) = c.wait_leader(None).await;
-    (c, l, t)
-}
-
-/// Waits until the output holds at least `n` distinct seqs.
-async fn progress(c: &Cluster, n: usize) {
-    let deadline = Instant::now() + testkit::WAIT;
-    while c.seen().len() < n {
-        assert!(Instant::now() < deadline, "no progress; logs in {}", c.dir.display());
-        sleep(Duration::from_millis(20)).await;
-    }
+    faults::spec(copies, true)
 }
 
 fn server(c: &mut Cluster) -> &mut testkit::NatsServer {
@@ -41,28 +25,12 @@ fn server(c: &mut Cluster) -> &mut testkit::NatsServer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_sigkill_leader() {
-    for round in 0..scale() {
-        let (mut c, l, t) = started(&format!("nkill{round}"), nats_spec(2)).await;
-        progress(&c, 500).await;
-        c.replicas[l].sigkill();
-        let (l2, t2) = c.wait_leader(Some(l)).await;
-        assert_ne!(l2, l);
-        assert!(t2 > t, "new term, greater token");
-        c.replicas[l].start();
-        c.wait_complete().await;
-        let dups = c.check();
-        eprintln!("nats sigkill round {round}: {dups} seqs replayed after the crash");
-    }
+    faults::sigkill_leader("nkill", true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_sigterm_leader_hands_over_without_duplicates() {
-    let (mut c, l, _) = started("nterm", nats_spec(2)).await;
-    progress(&c, 500).await;
-    assert!(c.replicas[l].sigterm().await, "graceful exit 0");
-    let (l2, t2) = c.wait_leader(Some(l)).await;
-    c.wait_complete().await;
-    assert_eq!(c.check(), 0, "a graceful handover duplicates nothing");
+    let (c, l2, t2) = faults::sigterm_hands_over("nterm", true).await;
     // `lease show` reads the NATS lease: the new leader's holder value and the fence.
     let out = testkit::proc::run_once(&c.replicas[l2].env, &["lease", "show"]);
     let text = String::from_utf8_lossy(&out.stdout);
@@ -72,17 +40,8 @@ async fn nats_sigterm_leader_hands_over_without_duplicates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_sigstop_leader_past_ttl_then_sigcont() {
-    let (c, l, t) = started("nstop", nats_spec(2)).await;
-    progress(&c, 400).await;
-    c.replicas[l].sigstop();
-    let (_, t2) = c.wait_leader(Some(l)).await;
-    assert!(t2 > t);
-    c.replicas[l].sigcont();
-    sleep(Duration::from_secs(1)).await;
-    let status = c.replicas[l].status().await.expect("woken replica answers");
-    assert_eq!(status["role"], "standby", "the woken replica knows it lost");
-    c.wait_complete().await;
-    c.check();
+    let (_, _, _, stale) = faults::sigstop_past_ttl("nstop", true).await;
+    assert!(stale <= 512, "{stale} stale lines after waking");
 }
 
 /// NATS restarts (its data kept) while the leader leads: within the ttl nothing flips;
@@ -102,79 +61,30 @@ async fn nats_restarted_under_the_cluster_loses_nothing() {
 /// resume a term (new or retaken) finishes the stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_paused_past_the_ttl_loses_nothing() {
-    let (c, l, _) = started("npause", nats_spec(3)).await;
-    progress(&c, 400).await;
-    c.nats.as_ref().expect("nats").pause();
-    sleep(Duration::from_secs(3)).await;
-    let s = c.replicas[l].status().await.expect("status");
-    assert_ne!(s["role"], "leader", "the leader stopped at its deadline: {s}");
-    c.nats.as_ref().expect("nats").resume();
-    c.wait_complete().await;
-    c.check();
+    faults::store_paused_past_the_ttl("npause", true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_cut_off_from_nats_while_standbys_are_not() {
-    let (c, l, t) = started("ncut", nats_spec(2)).await;
-    progress(&c, 400).await;
-    c.proxies[l].set_cut(true);
-    let (l2, t2) = c.wait_leader(Some(l)).await;
-    assert!(t2 > t && l2 != l);
-    c.proxies[l].set_cut(false);
-    c.wait_complete().await;
-    c.check();
-    let s = c.replicas[l].status().await.expect("status");
-    assert_eq!(s["role"], "standby");
+    faults::leader_cut_off("ncut", true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn latency_on_the_leaders_nats_link_below_the_op_timeout_does_not_flap() {
-    let (c, l, t) = started("nslow", nats_spec(2)).await;
-    progress(&c, 300).await;
-    // 60 ms each way against a 250 ms op timeout.
-    c.proxies[l].set_latency(Duration::from_millis(60));
-    sleep(Duration::from_secs(2)).await;
-    c.proxies[l].set_latency(Duration::ZERO);
-    c.wait_complete().await;
-    assert_eq!(c.leader().await, Some((l, t)));
-    assert_eq!(c.check(), 0);
+    faults::latency_below_the_op_timeout("nslow", true).await;
 }
 
 /// Renewals and commits reach NATS, their answers never come back: the leader stops at
 /// its deadline, and nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_replies_on_the_leaders_nats_link_lose_nothing() {
-    let (c, l, _) = started("nlost", nats_spec(2)).await;
-    progress(&c, 300).await;
-    c.proxies[l].set_flow(testkit::Flow::DropReplies);
-    let t0 = Instant::now();
-    let deadline = Instant::now() + testkit::WAIT;
-    while c.replicas[l].status().await.is_some_and(|s| s["role"] == "leader") {
-        assert!(Instant::now() < deadline, "the leader never noticed its replies were lost");
-        sleep(Duration::from_millis(20)).await;
-    }
-    eprintln!("nats lost replies: the leader stopped after {:?}", t0.elapsed());
-    c.proxies[l].set_flow(testkit::Flow::Pass);
-    c.wait_leader(None).await;
-    c.wait_complete().await;
-    c.check();
+    faults::lost_replies("nlost", true).await;
 }
 
 /// No reset, no answer on the leader's NATS link: it hands over at its deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_open_nats_link_to_the_leader_hands_over_at_its_deadline() {
-    let (c, l, t) = started("nhalf", nats_spec(2)).await;
-    progress(&c, 300).await;
-    c.proxies[l].set_flow(testkit::Flow::Blackhole);
-    let t0 = Instant::now();
-    let (l2, t2) = c.wait_leader(Some(l)).await;
-    eprintln!("nats half-open link: handover after {:?}", t0.elapsed());
-    assert!(t2 > t && l2 != l);
-    let s = c.replicas[l].status().await.expect("status");
-    assert_ne!(s["role"], "leader", "the cut-off leader stopped");
-    c.proxies[l].set_flow(testkit::Flow::Pass);
-    c.wait_complete().await;
-    c.check();
+    faults::half_open_link("nhalf", true).await;
 }
 
 /// Every message of the `FIREKEEPER` stream: (subject, `Nats-Msg-Id`, body).

@@ -13,6 +13,7 @@
 //!   suite needs.
 
 pub mod cluster;
+pub mod faults;
 pub mod http;
 pub mod proc;
 pub mod soak;
