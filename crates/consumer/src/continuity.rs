@@ -15,7 +15,8 @@ use relay_client::probe::time_ms;
 /// What to do when the target relay's window does not reach back far enough.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GapPolicy {
-    /// Stop leading with an error naming the relay and the missing time range.
+    /// Refuse the switch: stay leader on the relay it had and retry it (not ready
+    /// meanwhile, the missing range in the status); nothing is skipped, nothing exits.
     #[default]
     Fail,
     /// Accept: start at the oldest event the relay serves, log and count the gap.
