@@ -464,6 +464,11 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
     .await?;
     let (mut tx, mut rx) = ws.split();
     let mut faults = shared.faults.subscribe();
+    // Taken down while this connection was being accepted: its close went out before the
+    // subscription above and would be missed (the connection then lived on, "down").
+    if shared.down.load(Ordering::SeqCst) {
+        return tx.close().await;
+    }
     let mut head = shared.head.subscribe();
     let mut stalled = shared.stalled.subscribe();
     shared.connects.fetch_add(1, Ordering::SeqCst);
