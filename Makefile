@@ -30,6 +30,7 @@ test: deps
 bench: deps
 	$(CARGO) bench -p relay-client --bench decode
 	$(CARGO) bench -p consumer --bench chain
+	$(CARGO) bench -p atproto-crypto --bench verify
 	$(CARGO) bench -p atproto-repo --bench check
 	$(CARGO) bench -p firekeeper --bench cluster
 
