@@ -11,6 +11,8 @@
 //! in length-then-bytewise order, checked while reading), so the commit without `sig` is
 //! the same bytes with the `sig` entry cut out and the map's length one less.
 
+pub mod mst;
+
 use atproto_crypto::{PublicKey, SignatureError};
 use relay_client::car::Car;
 use relay_client::cbor::Reader;
