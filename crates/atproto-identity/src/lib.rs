@@ -51,6 +51,11 @@ fn names(id: &str, did: &str, fragment: &str) -> bool {
     id == fragment || id.strip_prefix(did).is_some_and(|rest| rest == fragment)
 }
 
+/// The items of the array at `key` (none when absent or not an array).
+fn entries<'a>(obj: &'a serde_json::Map<String, Value>, key: &str) -> impl Iterator<Item = &'a Value> {
+    obj.get(key).and_then(Value::as_array).into_iter().flatten()
+}
+
 /// Reads the document `json` served for `did`.
 ///
 /// # Errors
@@ -62,30 +67,16 @@ pub fn parse_document(did: &str, json: &[u8]) -> Result<Identity, DocError> {
     if id != did {
         return Err(DocError::IdMismatch { expected: did.to_owned(), found: id.to_owned() });
     }
-    let method = obj
-        .get("verificationMethod")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
+    let method = entries(obj, "verificationMethod")
         .find(|m| m.get("id").and_then(Value::as_str).is_some_and(|i| names(i, did, "#atproto")))
         .ok_or(DocError::NoSigningKey)?;
     let kind = method.get("type").and_then(Value::as_str).unwrap_or_default();
     let multibase = method.get("publicKeyMultibase").and_then(Value::as_str).unwrap_or_default();
     let signing_key =
         PublicKey::from_verification_method(kind, multibase).ok_or_else(|| DocError::KeyType(kind.to_owned()))??;
-    let handle = obj
-        .get("alsoKnownAs")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .find_map(|a| a.strip_prefix("at://"))
-        .map(str::to_owned);
-    let pds = obj
-        .get("service")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
+    let handle =
+        entries(obj, "alsoKnownAs").filter_map(Value::as_str).find_map(|a| a.strip_prefix("at://")).map(str::to_owned);
+    let pds = entries(obj, "service")
         .find(|s| s.get("id").and_then(Value::as_str).is_some_and(|i| names(i, did, "#atproto_pds")))
         .and_then(|s| s.get("serviceEndpoint").and_then(Value::as_str))
         .map(str::to_owned);

@@ -233,6 +233,11 @@ pub fn prefix_problem(prefix: &str) -> Option<String> {
     })
 }
 
+/// True when an age limit `have` keeps entries at least as long as `want` (zero: for ever).
+fn age_covers(have: Duration, want: Duration) -> bool {
+    have.is_zero() || (!want.is_zero() && have >= want)
+}
+
 /// A bucket name from a key prefix, one-to-one: `<prefix>-<what>`. A prefix with
 /// characters NATS does not allow gives a name [`Bucket`] refuses (see [`prefix_problem`]).
 #[must_use]
@@ -307,6 +312,18 @@ impl Bucket {
             ..jetstream::stream::Config::default()
         };
         let stream = self.nats.bounded("create bucket", js.get_or_create_stream(cfg.clone())).await?;
+        let have = stream.cached_info().config.max_age;
+        if have != cfg.max_age && age_covers(have, cfg.max_age) {
+            // Said once per opening, not at every check.
+            tracing::warn!(
+                bucket = %self.config.bucket,
+                bucket_max_age_ms = have.as_millis() as u64,
+                configured_ms = cfg.max_age.as_millis() as u64,
+                "the bucket keeps entries longer than configured (another replica's, or an earlier, ttl); it is \
+                 never lowered while replicas may rely on it: a crashed leader's key lives that long. To lower \
+                 it, stop every replica and delete the bucket"
+            );
+        }
         self.keep_age_at_least(&stream).await?;
         let st = self.nats.bounded("open bucket", js.get_key_value(self.config.bucket.clone())).await?;
         *s = Some(st.clone());
@@ -318,24 +335,12 @@ impl Bucket {
     /// a shorter ttl (a rolling change of it) must not make the running leader's key
     /// expire before that leader's own deadline, which would let a second term start
     /// while the first still acts. A longer limit only makes a crashed leader's takeover
-    /// wait longer, which is logged.
+    /// wait longer, which [`Bucket::store`] logs.
     async fn keep_age_at_least(&self, stream: &jetstream::stream::Stream) -> Result<(), NatsError> {
         let want = self.config.max_age;
         let mut cfg = stream.cached_info().config.clone();
         let have = cfg.max_age;
-        let longer =
-            |a: Duration, b: Duration| (a.is_zero() && !b.is_zero()) || (!b.is_zero() && !a.is_zero() && a > b);
-        if have == want || longer(have, want) {
-            if have != want {
-                tracing::warn!(
-                    bucket = %self.config.bucket,
-                    bucket_max_age_ms = have.as_millis() as u64,
-                    configured_ms = want.as_millis() as u64,
-                    "the bucket keeps entries longer than configured (another replica's, or an earlier, ttl); it is \
-                     never lowered while replicas may rely on it: a crashed leader's key lives that long. To lower \
-                     it, stop every replica and delete the bucket"
-                );
-            }
+        if age_covers(have, want) {
             return Ok(());
         }
         tracing::warn!(

@@ -75,9 +75,6 @@ pub struct JetStream {
     stream: stream::Config,
 }
 
-/// The stream is gone (deleted, or lost with the server's store).
-struct Missing;
-
 /// Why a batch did not land.
 enum Failure {
     /// No stream holds the subjects.
@@ -120,6 +117,12 @@ fn event_key(e: &Event) -> u64 {
     fnv(fnv(fnv(seed, a.as_bytes()), &[0]), b.as_bytes())
 }
 
+/// Creates the stream with `config` unless it exists.
+async fn create_stream(nats: &Nats, config: &stream::Config) -> Result<stream::Stream, NatsError> {
+    let js = nats.jetstream().clone();
+    nats.bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(config.clone())).await
+}
+
 /// The `Nats-Msg-Id` of an event: `<fingerprint>:<seq>:<event key>`.
 #[must_use]
 pub fn message_id(fingerprint: &str, e: &Event) -> String {
@@ -140,9 +143,7 @@ impl JetStream {
             duplicate_window: window,
             ..stream::Config::default()
         };
-        let js = nats.jetstream().clone();
-        let s =
-            nats.bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(config.clone())).await?;
+        let s = create_stream(nats, &config).await?;
         let info = s.cached_info();
         if info.config.duplicate_window < window {
             tracing::warn!(
@@ -159,12 +160,7 @@ impl JetStream {
     /// is gone with it; nothing after the committed cursor is lost (the batch is retried
     /// and the cursor never passed it).
     async fn recreate(&self) {
-        let js = self.nats.jetstream().clone();
-        match self
-            .nats
-            .bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(self.stream.clone()))
-            .await
-        {
+        match create_stream(&self.nats, &self.stream).await {
             Ok(_) => {
                 tracing::error!(stream = %self.cfg.stream, "the stream was missing: created it again; what it held before is gone");
             }
@@ -212,25 +208,16 @@ impl JetStream {
     }
 
     async fn publish(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        match self.publish_once(batch, ctx).await {
-            Err(Missing) => {
+        match self.publish_inner(batch, ctx).await {
+            Ok(()) => Ok(()),
+            Err(Failure::Handler(e)) => Err(e),
+            Err(Failure::Missing) => {
                 self.recreate().await;
                 Err(HandlerError::Failed(format!(
                     "jetstream: stream {} was missing; created again, retrying",
                     self.cfg.stream
                 )))
             }
-            Ok(r) => r,
-        }
-    }
-
-    /// Publishes a batch; `Err(Missing)` when the server has no stream for its subjects.
-    async fn publish_once(&self, batch: &[Event], ctx: &BatchCtx) -> Result<Result<(), HandlerError>, Missing> {
-        let out = self.publish_inner(batch, ctx).await;
-        match out {
-            Err(Failure::Missing) => Err(Missing),
-            Err(Failure::Handler(e)) => Ok(Err(e)),
-            Ok(()) => Ok(Ok(())),
         }
     }
 
