@@ -12,6 +12,7 @@
 //! the same bytes with the `sig` entry cut out and the map's length one less.
 
 pub mod mst;
+pub mod verify;
 
 use atproto_crypto::{PublicKey, SignatureError};
 use relay_client::car::Car;
@@ -147,6 +148,19 @@ pub fn check_commit<'a>(
     key: &PublicKey,
 ) -> Result<Commit<'a>, CommitError> {
     let car = Car::parse(blocks, false).map_err(|e| CommitError::Car(e.to_string()))?;
+    check_commit_in(&car, expected, repo, key)
+}
+
+/// [`check_commit`] on an already parsed CAR.
+///
+/// # Errors
+/// The first thing that is not as the event claims.
+pub fn check_commit_in<'a>(
+    car: &Car<'a>,
+    expected: Option<Cid<'_>>,
+    repo: &str,
+    key: &PublicKey,
+) -> Result<Commit<'a>, CommitError> {
     let [root] = car.roots.as_slice() else { return Err(CommitError::Root) };
     if expected.is_some_and(|e| e.as_bytes() != root.as_bytes()) {
         return Err(CommitError::Root);

@@ -127,11 +127,7 @@ fn verify_block(c: Cid<'_>, data: &[u8]) -> Result<(), DecodeError> {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(data);
     let bytes = c.as_bytes();
-    if bytes[bytes.len() - 32..] == digest[..] {
-        Ok(())
-    } else {
-        Err(car_err(format!("block {c} does not hash to its CID")))
-    }
+    if bytes[bytes.len() - 32..] == digest[..] { Ok(()) } else { Err(DecodeError::BlockHash(c.to_string())) }
 }
 
 /// Builds a `CARv1` from blocks, computing each block's CID (dag-cbor, sha2-256). For tests,

@@ -173,6 +173,9 @@ pub enum DecodeError {
     /// The `blocks` CAR slice is malformed.
     #[error("invalid CAR in blocks: {0}")]
     Car(String),
+    /// A block of the CAR does not hash to its CID (with block checking on).
+    #[error("CAR block {0} does not hash to its CID")]
+    BlockHash(String),
     /// A create or update op names a CID that is not in `blocks`.
     #[error("record block {cid} for `{path}` is missing from the CAR")]
     MissingBlock {
@@ -215,7 +218,7 @@ impl DecodeError {
             Self::UnknownOp(_) => "unknown_op",
             Self::MissingType => "missing_type",
             Self::Cid { .. } => "cid",
-            Self::Car(_) => "car",
+            Self::Car(_) | Self::BlockHash(_) => "car",
             Self::MissingBlock { .. } => "missing_block",
             Self::BadValue { .. } => "bad_value",
             Self::TooLarge { .. } => "too_large",
