@@ -57,7 +57,8 @@ fn did_key_vectors_round_trip_on_both_curves() {
         let bytes: Vec<u8> =
             (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect();
         let sk = k256::ecdsa::SigningKey::from_slice(&bytes).expect("private key");
-        let pk = PublicKey::K256(*sk.verifying_key());
+        let pk = PublicKey::from_sec1(Curve::K256, sk.verifying_key().to_encoded_point(true).as_bytes())
+            .expect("a point");
         let did = c["publicDidKey"].as_str().expect("did");
         assert_eq!(pk.to_did_key(), did);
         assert_eq!(PublicKey::from_did_key(did).expect("parses"), pk);
@@ -77,8 +78,8 @@ fn uncompressed_legacy_keys_other_suites_and_garbage_are_handled() {
     let did = "did:key:zQ3shokFTS3brHcDQrn82RUDfCZESWL1ZdCEJwekUDPQiYBme";
     let pk = PublicKey::from_did_key(did).expect("key");
     let PublicKey::K256(k) = &pk else { panic!("secp256k1") };
-    let uncompressed = k.to_encoded_point(false);
-    let legacy = format!("z{}", bs58::encode(uncompressed.as_bytes()).into_string());
+    let uncompressed = k.serialize_uncompressed();
+    let legacy = format!("z{}", bs58::encode(uncompressed).into_string());
     let back = PublicKey::from_verification_method("EcdsaSecp256k1VerificationKey2019", &legacy)
         .expect("known")
         .expect("the uncompressed 65-byte form reads");
