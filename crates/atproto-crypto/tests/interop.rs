@@ -57,8 +57,8 @@ fn did_key_vectors_round_trip_on_both_curves() {
         let bytes: Vec<u8> =
             (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect();
         let sk = k256::ecdsa::SigningKey::from_slice(&bytes).expect("private key");
-        let pk = PublicKey::from_sec1(Curve::K256, sk.verifying_key().to_encoded_point(true).as_bytes())
-            .expect("a point");
+        let pk =
+            PublicKey::from_sec1(Curve::K256, sk.verifying_key().to_encoded_point(true).as_bytes()).expect("a point");
         let did = c["publicDidKey"].as_str().expect("did");
         assert_eq!(pk.to_did_key(), did);
         assert_eq!(PublicKey::from_did_key(did).expect("parses"), pk);

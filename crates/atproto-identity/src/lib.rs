@@ -1,7 +1,9 @@
 //! atproto identities, one concern: what a DID document says about a repo — its
 //! `#atproto` signing key (every spelling [`atproto_crypto::PublicKey`] reads), its handle
 //! (`alsoKnownAs` `at://…`) and its PDS (`#atproto_pds`). Resolution (PLC directory,
-//! `did:web`), caching and single-flight build on this.
+//! `did:web`), caching and single-flight are in [`resolver`].
+
+pub mod resolver;
 
 use atproto_crypto::{KeyError, PublicKey};
 use serde_json::Value;

@@ -36,7 +36,8 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             for f in &commits {
                 let Ok(Frame::Message(Message::Commit(m))) = relay_client::decode(f) else { continue };
-                let v = atproto_repo::verify::commit(&m, &keys[m.repo], atproto_repo::verify::Tier::Full).expect("valid");
+                let v =
+                    atproto_repo::verify::commit(&m, &keys[m.repo], atproto_repo::verify::Tier::Full).expect("valid");
                 assert!(v.unproven.is_none());
             }
         });

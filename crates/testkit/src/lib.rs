@@ -15,8 +15,10 @@
 pub mod cluster;
 pub mod faults;
 pub mod http;
+pub mod plc;
 pub mod proc;
 pub mod soak;
+pub mod tamper;
 
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::process::{Child, Command, Stdio};
