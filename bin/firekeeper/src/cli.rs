@@ -36,6 +36,12 @@ pub enum Command {
         #[command(subcommand)]
         action: LeaseAction,
     },
+    /// Ask a running replica about repos (from its HTTP server).
+    Repos {
+        /// invalid.
+        #[command(subcommand)]
+        action: ReposAction,
+    },
     /// Record frames from the primary relay into a file relay-sim can replay.
     Capture {
         /// The capture file to write.
@@ -68,6 +74,19 @@ pub enum CursorAction {
         /// Which relay.
         #[arg(long, value_enum, default_value_t = Relay::Primary)]
         relay: Relay,
+    },
+}
+
+/// `repos` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ReposAction {
+    /// The repos an invalid event marked desynchronised (`FIREKEEPER_VERIFY`), as the
+    /// leader knows them: one line each, oldest first.
+    Invalid {
+        /// The replica's HTTP address (default: `FIREKEEPER_HTTP_ADDR`, on loopback
+        /// when it listens on all addresses).
+        #[arg(long)]
+        addr: Option<std::net::SocketAddr>,
     },
 }
 

@@ -1,4 +1,4 @@
-//! The operator commands: `cursor show|set`, `lease show`, `capture`.
+//! The operator commands: `cursor show|set`, `lease show`, `repos invalid`, `capture`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -50,6 +50,38 @@ pub async fn lease_show(cfg: &Config) -> Result<()> {
         snap.fence_seen,
         snap.ttl.map_or_else(|| "-".into(), |t| format!("{}ms", t.as_millis()))
     );
+    Ok(())
+}
+
+/// Prints the desynchronised repos a running replica lists at `/repos/invalid`.
+pub async fn repos_invalid(cfg: &Config, addr: Option<std::net::SocketAddr>) -> Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut addr = addr.or(cfg.http_addr).context("no --addr and FIREKEEPER_HTTP_ADDR is off")?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let mut s = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+        .await
+        .context("connecting timed out")?
+        .with_context(|| format!("connecting to {addr}"))?;
+    s.write_all(b"GET /repos/invalid HTTP/1.1\r\nhost: firekeeper\r\nconnection: close\r\n\r\n").await?;
+    let mut buf = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut buf)).await.context("reading timed out")??;
+    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b).context("not an HTTP answer")?;
+    let v: serde_json::Value = serde_json::from_str(body).context("not the JSON of /repos/invalid")?;
+    let role = v["role"].as_str().unwrap_or("unknown");
+    if role != "leader" {
+        eprintln!("that replica is {role}: only the leader verifies; ask the leader");
+    }
+    for r in v["repos"].as_array().into_iter().flatten() {
+        println!(
+            "{} seq {} {} rev {}",
+            r["repo"].as_str().unwrap_or("?"),
+            r["seq"],
+            r["reason"].as_str().unwrap_or("?"),
+            r["rev"].as_str().unwrap_or("-")
+        );
+    }
     Ok(())
 }
 

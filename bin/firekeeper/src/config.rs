@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use consumer::{ChainBreaks, CollectionFilter, GapPolicy, Options};
+use consumer::verify::ResolverConfig;
+use consumer::{ChainBreaks, CollectionFilter, GapPolicy, InvalidPolicy, Options, VerifyMode, VerifyOptions};
 use lease::LeaseConfig;
 use nats_op::NatsConfig;
 use relay_client::client::{BadFramePolicy, FutureCursorPolicy};
@@ -417,6 +418,37 @@ impl Vars {
         client
     }
 
+    fn verify(&mut self) -> VerifyOptions {
+        let plc_url = self.text("FIREKEEPER_PLC_URL").unwrap_or_default();
+        if !url::Url::parse(&plc_url).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some()) {
+            // The value is not echoed: it may carry credentials.
+            self.errors.push("FIREKEEPER_PLC_URL is not an http:// or https:// URL".into());
+        }
+        let d = VerifyOptions::default();
+        VerifyOptions {
+            mode: match self.choice("FIREKEEPER_VERIFY") {
+                "signatures" => VerifyMode::Signatures,
+                "full" => VerifyMode::Full,
+                _ => VerifyMode::Off,
+            },
+            strict: matches!(self.choice("FIREKEEPER_VERIFY_STRICT"), "true" | "1" | "yes"),
+            invalid: match self.choice("FIREKEEPER_INVALID") {
+                "fail" => InvalidPolicy::Fail,
+                _ => InvalidPolicy::Mark,
+            },
+            resolver: ResolverConfig {
+                plc_url,
+                cache_size: self.count("FIREKEEPER_DID_CACHE_SIZE"),
+                ttl: self.ms("FIREKEEPER_DID_CACHE_TTL_MS"),
+                concurrency: self.count("FIREKEEPER_RESOLVE_CONCURRENCY"),
+                ..d.resolver
+            },
+            resolve_timeout: self.ms("FIREKEEPER_RESOLVE_TIMEOUT_MS"),
+            repos: self.count("FIREKEEPER_CHAIN_REPOS"),
+            ..d
+        }
+    }
+
     fn options(&mut self, ttl: Duration) -> Options {
         let entries: Vec<String> = self
             .text("FIREKEEPER_COLLECTIONS")
@@ -442,6 +474,7 @@ impl Vars {
             },
             chain_repos: self.count("FIREKEEPER_CHAIN_REPOS"),
             chain_breaks: ChainBreaks::Count,
+            verify: self.verify(),
         };
         let options = match self.choice("FIREKEEPER_CHAIN_BREAKS") {
             "emit" => Options { chain_breaks: ChainBreaks::Emit, ..options },

@@ -1,4 +1,5 @@
-//! A small HTTP/1.1 server for `/healthz`, `/readyz`, `/metrics` and `/status`: GET only,
+//! A small HTTP/1.1 server for `/healthz`, `/readyz`, `/metrics`, `/status` and
+//! `/repos/invalid`: GET only,
 //! one request per connection, bounded request size and read time.
 
 use std::time::Duration;
@@ -66,6 +67,10 @@ fn respond(
         "/metrics" => ("200 OK", "text/plain; version=0.0.4", prom.render()),
         "/status" => {
             ("200 OK", "application/json", serde_json::to_string(&status.snapshot()).unwrap_or_default() + "\n")
+        }
+        "/repos/invalid" => {
+            let v = serde_json::json!({ "role": status.snapshot().role, "repos": status.desynchronized() });
+            ("200 OK", "application/json", v.to_string() + "\n")
         }
         _ => ("404 Not Found", "text/plain", "not found\n".into()),
     }

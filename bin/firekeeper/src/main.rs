@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Cli, Command, CursorAction, LeaseAction};
+use crate::cli::{Cli, Command, CursorAction, LeaseAction, ReposAction};
 use crate::config::Config;
 
 fn main() -> ExitCode {
@@ -65,6 +65,7 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
         Command::Cursor { action: CursorAction::Show { relay } } => commands::cursor_show(&cfg, relay).await,
         Command::Cursor { action: CursorAction::Set { seq, relay } } => commands::cursor_set(&cfg, relay, seq).await,
         Command::Lease { action: LeaseAction::Show } => commands::lease_show(&cfg).await,
+        Command::Repos { action: ReposAction::Invalid { addr } } => commands::repos_invalid(&cfg, addr).await,
         Command::Capture { file, cursor, limit, seconds } => {
             commands::capture(&cfg, &file, cursor, limit, seconds).await
         }
@@ -97,7 +98,7 @@ async fn run(cfg: Config) -> Result<()> {
     if let Some(addr) = cfg.http_addr {
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("FIREKEEPER_HTTP_ADDR {addr}"))?;
-        tracing::info!(%addr, "http listening: /healthz /readyz /metrics /status");
+        tracing::info!(%addr, "http listening: /healthz /readyz /metrics /status /repos/invalid");
         tokio::spawn(http::serve(listener, status, prom, stop_http.clone()));
     }
     let r = Box::pin(consumer.run(shutdown::requested())).await;

@@ -33,6 +33,10 @@ pub struct ResolverConfig {
     pub concurrency: usize,
     /// One request's limit.
     pub request_timeout: Duration,
+    /// A refresh (after a signature failed) within this long of the last refresh of the
+    /// same DID is answered from the cache: a stream of bad signatures costs the
+    /// directory one request, not one each.
+    pub min_refresh: Duration,
     /// Where `did:web` documents are fetched from: `None` is `https://<host>` (tests point
     /// it at a loopback server).
     pub web_base: Option<String>,
@@ -46,6 +50,7 @@ impl Default for ResolverConfig {
             ttl: Duration::from_hours(1),
             concurrency: 16,
             request_timeout: Duration::from_secs(5),
+            min_refresh: Duration::from_secs(10),
             web_base: None,
         }
     }
@@ -82,6 +87,8 @@ type Flight = Arc<OnceCell<Result<Arc<Identity>, ResolveError>>>;
 struct Cached {
     identity: Arc<Identity>,
     fetched: Instant,
+    /// Fetched by a refresh.
+    refreshed: bool,
 }
 
 /// Two generations of at most `half` DIDs each.
@@ -92,12 +99,12 @@ struct Cache {
 }
 
 impl Cache {
-    fn get(&mut self, did: &str) -> Option<(Arc<Identity>, Instant)> {
+    fn get(&mut self, did: &str) -> Option<(Arc<Identity>, Instant, bool)> {
         if let Some(c) = self.young.get(did) {
-            return Some((c.identity.clone(), c.fetched));
+            return Some((c.identity.clone(), c.fetched, c.refreshed));
         }
         let c = self.old.remove(did)?;
-        let out = (c.identity.clone(), c.fetched);
+        let out = (c.identity.clone(), c.fetched, c.refreshed);
         self.put(did.to_owned(), c);
         Some(out)
     }
@@ -176,16 +183,16 @@ impl Resolver {
     pub async fn resolve(&self, did: &str) -> Result<Arc<Identity>, ResolveError> {
         let cached = self.inner.cache.lock().expect("cache").get(did);
         match cached {
-            Some((id, fetched)) if fetched.elapsed() < self.inner.cfg.ttl => Ok(id),
-            Some((id, _)) => {
+            Some((id, fetched, _)) if fetched.elapsed() < self.inner.cfg.ttl => Ok(id),
+            Some((id, _, _)) => {
                 let me = self.clone();
                 let did = did.to_owned();
                 tokio::spawn(async move {
-                    let _ = me.fetch(&did).await;
+                    let _ = me.fetch(&did, false).await;
                 });
                 Ok(id)
             }
-            None => self.fetch(did).await,
+            None => self.fetch(did, false).await,
         }
     }
 
@@ -195,7 +202,13 @@ impl Resolver {
     /// # Errors
     /// When the DID cannot be resolved now.
     pub async fn refresh(&self, did: &str) -> Result<Arc<Identity>, ResolveError> {
-        self.fetch(did).await
+        let cached = self.inner.cache.lock().expect("cache").get(did);
+        if let Some((id, fetched, true)) = cached
+            && fetched.elapsed() < self.inner.cfg.min_refresh
+        {
+            return Ok(id);
+        }
+        self.fetch(did, true).await
     }
 
     /// Forgets `did` (an `#identity` event said its document changed).
@@ -210,12 +223,12 @@ impl Resolver {
     }
 
     /// One request per DID at a time: joins a request in flight or starts one.
-    async fn fetch(&self, did: &str) -> Result<Arc<Identity>, ResolveError> {
+    async fn fetch(&self, did: &str, refreshed: bool) -> Result<Arc<Identity>, ResolveError> {
         let flight = {
             let mut f = self.inner.flights.lock().expect("flights");
             f.entry(did.to_owned()).or_default().clone()
         };
-        let out = flight.get_or_init(|| self.request(did)).await.clone();
+        let out = flight.get_or_init(|| self.request(did, refreshed)).await.clone();
         let mut f = self.inner.flights.lock().expect("flights");
         if f.get(did).is_some_and(|g| Arc::ptr_eq(g, &flight)) {
             f.remove(did);
@@ -223,7 +236,7 @@ impl Resolver {
         out
     }
 
-    async fn request(&self, did: &str) -> Result<Arc<Identity>, ResolveError> {
+    async fn request(&self, did: &str, refreshed: bool) -> Result<Arc<Identity>, ResolveError> {
         let url = self.url(did)?;
         if let Some(until) = self.inner.health.lock().expect("health").until
             && Instant::now() < until
@@ -243,7 +256,7 @@ impl Resolver {
         }
         drop(h);
         let id = Arc::new(out?);
-        let cached = Cached { identity: id.clone(), fetched: Instant::now() };
+        let cached = Cached { identity: id.clone(), fetched: Instant::now(), refreshed };
         self.inner.cache.lock().expect("cache").put(did.to_owned(), cached);
         Ok(id)
     }
@@ -330,6 +343,7 @@ mod tests {
                 pds: None,
             }),
             fetched: Instant::now(),
+            refreshed: false,
         };
         let mut c = Cache { half: 50, young: HashMap::new(), old: HashMap::new() };
         for i in 0..1000 {

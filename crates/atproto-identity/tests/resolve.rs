@@ -97,6 +97,12 @@ async fn rotation_stale_entries_and_invalidation() {
     assert_eq!(r.resolve(did).await.expect("cached").signing_key, pk(&old), "the cache serves the old key");
     assert_eq!(r.refresh(did).await.expect("refreshed").signing_key, pk(&new), "refresh asks again");
     assert_eq!(r.resolve(did).await.expect("cached").signing_key, pk(&new));
+    // Bad signatures right after a refresh do not ask again.
+    let before = plc.requests();
+    for _ in 0..5 {
+        r.refresh(did).await.expect("from the cache");
+    }
+    assert_eq!(plc.requests(), before, "one refresh per DID within min_refresh");
     plc.set_doc(did, testkit::tamper::did_doc(did, &old));
     r.invalidate(did);
     assert_eq!(r.resolve(did).await.expect("again").signing_key, pk(&old), "invalidated");

@@ -74,7 +74,7 @@ fn json_str(s: &str, out: &mut String) {
 const TID_ALPHABET: &[u8; 32] = b"234567abcdefghijklmnopqrstuvwxyz";
 
 /// A TID's 64-bit value (its order is the string's order); `None` for anything else.
-fn tid(s: &str) -> Option<u64> {
+pub(crate) fn tid(s: &str) -> Option<u64> {
     let b = s.as_bytes();
     if b.len() != 13 {
         return None;

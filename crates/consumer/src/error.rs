@@ -72,6 +72,19 @@ pub enum Fatal {
         /// The store's error.
         source: StoreError,
     },
+    /// An event failed verification under the `fail` policy: everything before it was
+    /// committed, and the cursor stays before it.
+    #[error(
+        "seq {seq} of {} failed verification ({}: {}); the invalid-event policy is fail, so everything before it is \
+         committed and the cursor stays before it",
+        .invalid.repo, .invalid.reason, .invalid.detail
+    )]
+    Invalid {
+        /// The event's seq.
+        seq: u64,
+        /// What failed.
+        invalid: Box<crate::verify::Invalid>,
+    },
     /// A bug: the watermark refused a delivery (skipping it would lose the event).
     #[error("internal: the watermark refused seq {seq}: {error}")]
     Watermark {

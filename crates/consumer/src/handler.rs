@@ -8,6 +8,7 @@ use relay_client::{Kind, Message, OwnedFrame, RelayRole};
 use tokio_util::sync::CancellationToken;
 
 use crate::chain::ChainBreak;
+use crate::verify::Invalid;
 
 /// One event: a validated frame, decoded once by the relay client, with its atproto JSON
 /// rendering when the handler asked for it.
@@ -16,13 +17,16 @@ pub struct Event {
     frame: OwnedFrame,
     json: Option<String>,
     chain_break: Option<Box<ChainBreak>>,
+    invalid: Option<Box<Invalid>>,
+    /// Sent to its lane only to be verified (the collection filter drops it).
+    pub(crate) hidden: bool,
 }
 
 impl Event {
     /// Wraps a frame (for handler tests: see [`Event::from_bytes`]).
     #[must_use]
     pub fn new(frame: OwnedFrame) -> Self {
-        Self { frame, json: None, chain_break: None }
+        Self { frame, json: None, chain_break: None, invalid: None, hidden: false }
     }
 
     /// Decodes a frame as a relay sent it; `None` for frames that are not events (error
@@ -43,10 +47,36 @@ impl Event {
         self.frame.relay
     }
 
-    /// `#commit`, `#identity`, …
+    /// `#commit`, `#identity`, … (the frame's type, also for an [`Event::invalid`] one).
     #[must_use]
     pub fn kind(&self) -> Kind {
         self.message().kind()
+    }
+
+    /// What the event is handed over as: `#invalid` when it failed verification, else its
+    /// [`Event::kind`].
+    #[must_use]
+    pub fn type_name(&self) -> &'static str {
+        if self.invalid.is_some() { "#invalid" } else { self.kind().as_str() }
+    }
+
+    /// With `FIREKEEPER_VERIFY` on: the event failed verification and must not be taken
+    /// as itself (its [`Event::json`] and [`Event::render_json`] are the `#invalid`
+    /// event). The cursor passes it under the `mark` policy.
+    #[must_use]
+    pub fn invalid(&self) -> Option<&Invalid> {
+        self.invalid.as_deref()
+    }
+
+    /// The event marked invalid (for tests of handlers).
+    #[must_use]
+    pub fn with_invalid(mut self, i: Invalid) -> Self {
+        self.invalid = Some(Box::new(i));
+        self
+    }
+
+    pub(crate) fn set_invalid(&mut self, i: Invalid) {
+        self.invalid = Some(Box::new(i));
     }
 
     /// The repo the event is about; events of one repo reach the handler in seq order.
@@ -80,8 +110,13 @@ impl Event {
         self.json.as_deref()
     }
 
-    /// Appends the event in the atproto JSON data model, all ops, records included.
+    /// Appends the event in the atproto JSON data model, all ops, records included (the
+    /// `#invalid` event instead when it failed verification).
     pub fn render_json(&self, out: &mut String) -> Written {
+        if let Some(i) = &self.invalid {
+            i.write_json(self.seq(), out);
+            return Written::default();
+        }
         render(self.message(), &Render { verify_blocks: false, filter: None }, out)
     }
 

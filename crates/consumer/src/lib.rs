@@ -9,6 +9,7 @@
 //! - [`status`]: the typed [`Role`] and the [`StatusHandle`] a running consumer updates.
 //! - [`metrics`]: every metric the consumer emits, defined once.
 //! - [`chain`]: the per-repo chain check (a commit's `since` against the repo's last rev).
+//! - [`verify`]: signature, block, MST and chain verification in the lanes.
 //! - [`error`]: why a consumer stopped.
 //! - `pipeline` and `term` (private): the lanes and watermark, and one term's work loop.
 //!
@@ -59,6 +60,7 @@ pub mod metrics;
 mod pipeline;
 pub mod status;
 mod term;
+pub mod verify;
 
 use std::pin::pin;
 use std::sync::Arc;
@@ -80,6 +82,7 @@ pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerErro
 use crate::pipeline::Shape;
 pub use crate::status::{Role, Status, StatusHandle};
 use crate::term::{Ctx, Remembered, TermEnd};
+pub use crate::verify::{Invalid, InvalidPolicy, Reason, VerifyMode, VerifyOptions};
 
 /// Tuning of the work loop; the defaults suit a single relay on a small machine.
 #[derive(Debug, Clone)]
@@ -113,6 +116,8 @@ pub struct Options {
     pub chain_repos: usize,
     /// What a broken chain does besides being counted.
     pub chain_breaks: ChainBreaks,
+    /// Verification of every commit against its repo's key (off by default).
+    pub verify: VerifyOptions,
 }
 
 impl Default for Options {
@@ -130,6 +135,7 @@ impl Default for Options {
             gap: GapPolicy::Fail,
             chain_repos: 1_000_000,
             chain_breaks: ChainBreaks::Count,
+            verify: VerifyOptions::default(),
         }
     }
 }
@@ -359,7 +365,12 @@ impl Consumer {
                 filter: settings.options.collections.clone(),
             })
         });
-        let shape = Shape { lanes: settings.options.lanes, queue_depth: settings.options.queue_depth, render };
+        let lanes = if handler.commits_cursor() { 1 } else { settings.options.lanes };
+        let verifier = verify::Verifier::new(&settings.options.verify, lanes, status.desync())
+            .map_err(|e| Error::Config(format!("verification: {e}")))?
+            .map(Arc::new);
+        let shape =
+            Shape { lanes: settings.options.lanes, queue_depth: settings.options.queue_depth, render, verifier };
         let cx = Ctx {
             settings: &settings,
             shape,

@@ -50,6 +50,19 @@ pub const CHAIN_BREAKS: &str = "firekeeper_repo_chain_breaks_total";
 /// Repos the chain check remembers.
 pub const CHAIN_REPOS: &str = "firekeeper_repo_chain_repos";
 
+/// Events that passed verification, by type.
+pub const VERIFIED: &str = "firekeeper_verified_total";
+/// Events that failed verification (handed over as `#invalid`), by reason.
+pub const INVALID: &str = "firekeeper_invalid_total";
+/// Commits the full tier could not prove by MST inversion (delivered).
+pub const UNPROVEN: &str = "firekeeper_verify_unproven_total";
+/// Signature failures that made the repo's DID be resolved again.
+pub const KEY_REFRESHES: &str = "firekeeper_verify_key_refreshes_total";
+/// Repos marked desynchronised by an invalid event.
+pub const DESYNC_REPOS: &str = "firekeeper_repos_desynchronized";
+/// Events held because their DID does not resolve now.
+pub const VERIFY_HELD: &str = "firekeeper_verify_held";
+
 const fn counter(name: &'static str, help: &'static str, labels: &'static [(&'static str, &'static str)]) -> Metric {
     Metric { name, kind: MetricKind::Counter, help, labels }
 }
@@ -76,7 +89,17 @@ pub const ALL: &[Metric] = &[
     counter(SWITCH_REFUSED, "relay switches refused: the target does not reach back to the position", &[]),
     counter(SWITCH_OVERLAP_SHORT, "relay switches whose target served less than the overlap but no gap", &[]),
     counter(CHAIN_BREAKS, "commits whose since was not the last rev seen for the repo", &[]),
+    counter(VERIFIED, "events that passed verification, by type", &[("type", "#commit")]),
+    counter(
+        INVALID,
+        "events that failed verification, by reason (handed over as #invalid)",
+        &[("reason", "signature")],
+    ),
+    counter(UNPROVEN, "commits the MST inversion could not prove (delivered; invalid under strict)", &[]),
+    counter(KEY_REFRESHES, "signature failures that resolved the repo's DID again", &[]),
     gauge(LEADER, "1 while this replica leads"),
+    gauge(DESYNC_REPOS, "repos marked desynchronised by an invalid event"),
+    gauge(VERIFY_HELD, "events held because their DID does not resolve now"),
     gauge(LAG_SECONDS, "age of the newest delivered event (relay time to now)"),
     gauge(LAG_SEQ, "delivered minus committed seq"),
     gauge(QUEUE_DEPTH, "events delivered and not yet done"),

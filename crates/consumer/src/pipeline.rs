@@ -13,9 +13,22 @@ use tokio::sync::mpsc;
 use crate::continuity::Times;
 use crate::handler::{BatchCtx, Event, Handler, HandlerError, Render, render};
 use crate::metrics as m;
+use crate::verify::{Invalid, InvalidPolicy, Verdict, Verifier};
 
 /// What a lane reports: the seqs of an accepted batch, or why it stopped.
-pub(crate) type Done = Result<Vec<u64>, HandlerError>;
+pub(crate) type Done = Result<Vec<u64>, LaneStop>;
+
+/// Why a lane stopped.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LaneStop {
+    /// The handler refused (fenced, or the term ended).
+    #[error(transparent)]
+    Handler(HandlerError),
+    /// An event failed verification under [`InvalidPolicy::Fail`]: everything before it
+    /// in the lane was handed over.
+    #[error("seq {} failed verification", .0.0)]
+    Invalid(Box<(u64, Invalid)>),
+}
 
 /// Retries of a failed batch: 100 ms doubling to 10 s, jittered.
 const RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(100), max: Duration::from_secs(10) };
@@ -36,6 +49,8 @@ pub(crate) struct Shape {
     pub(crate) lanes: usize,
     pub(crate) queue_depth: usize,
     pub(crate) render: Option<Arc<Render>>,
+    /// Checks events in the lanes before the handler sees them.
+    pub(crate) verifier: Option<Arc<Verifier>>,
 }
 
 impl Pipeline {
@@ -45,10 +60,17 @@ impl Pipeline {
         let (done_tx, done) = mpsc::unbounded_channel();
         let mut lanes = Vec::with_capacity(lanes_n);
         let mut tasks = Vec::with_capacity(lanes_n);
-        for _ in 0..lanes_n {
+        for index in 0..lanes_n {
             let (tx, rx) = mpsc::channel(shape.queue_depth);
             lanes.push(tx);
-            let lane = Lane { handler: handler.clone(), ctx: ctx.clone(), batch_max, render: shape.render.clone() };
+            let lane = Lane {
+                index,
+                handler: handler.clone(),
+                ctx: ctx.clone(),
+                batch_max,
+                render: shape.render.clone(),
+                verifier: shape.verifier.clone(),
+            };
             tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
         }
         // Every lane holds at most `queue_depth` queued events plus the batch it is
@@ -74,7 +96,7 @@ impl Pipeline {
         (h % self.lanes.len() as u64) as usize
     }
 
-    pub(crate) fn on_done(&mut self, r: Done) -> Result<(), HandlerError> {
+    pub(crate) fn on_done(&mut self, r: Done) -> Result<(), LaneStop> {
         for s in r? {
             self.watermark.complete(s);
         }
@@ -91,15 +113,31 @@ impl Pipeline {
     }
 
     /// Closes the lanes and waits until every delivered event is done.
-    pub(crate) async fn drain(&mut self) -> Result<(), HandlerError> {
+    pub(crate) async fn drain(&mut self) -> Result<(), LaneStop> {
         self.lanes.clear();
         while !self.watermark.is_idle() {
             match self.done.recv().await {
                 Some(r) => self.on_done(r)?,
-                None => return Err(HandlerError::Failed("lanes ended with events in flight".into())),
+                None => {
+                    return Err(LaneStop::Handler(HandlerError::Failed("lanes ended with events in flight".into())));
+                }
             }
         }
         Ok(())
+    }
+
+    /// Closes the lanes and takes in what each finishes before it ends (a lane that
+    /// stopped at an invalid event has ended already): the watermark then stands just
+    /// before the first event not handed over.
+    pub(crate) async fn wind_down(&mut self) {
+        self.lanes.clear();
+        while let Some(r) = self.done.recv().await {
+            if let Ok(seqs) = r {
+                for s in seqs {
+                    self.watermark.complete(s);
+                }
+            }
+        }
     }
 }
 
@@ -114,10 +152,12 @@ impl Drop for Pipeline {
 }
 
 struct Lane {
+    index: usize,
     handler: Arc<dyn Handler>,
     ctx: BatchCtx,
     batch_max: usize,
     render: Option<Arc<Render>>,
+    verifier: Option<Arc<Verifier>>,
 }
 
 impl Lane {
@@ -131,20 +171,61 @@ impl Lane {
                     Err(_) => break,
                 }
             }
+            let mut seqs: Vec<u64> = Vec::new();
+            let mut stop = None;
+            if let Some(v) = &self.verifier {
+                let Some(s) = self.verify(v, &mut batch).await else { return };
+                stop = s;
+                // Hidden events were sent only to be verified: done without the handler.
+                batch.retain(|e| {
+                    if e.hidden {
+                        seqs.push(e.seq());
+                    }
+                    !e.hidden
+                });
+            }
             if let Some(r) = &self.render {
                 render_batch(&mut batch, r);
             }
-            match self.write(&batch).await {
+            let written = if batch.is_empty() { Ok(()) } else { self.write(&batch).await };
+            match written {
                 Ok(()) => {
-                    let _ = done.send(Ok(batch.iter().map(Event::seq).collect()));
+                    seqs.extend(batch.iter().map(Event::seq));
+                    let _ = done.send(Ok(seqs));
                 }
                 Err(e) => {
-                    let _ = done.send(Err(e));
+                    let _ = done.send(Err(LaneStop::Handler(e)));
                     return;
                 }
             }
+            if let Some(s) = stop {
+                let _ = done.send(Err(LaneStop::Invalid(Box::new(s))));
+                return;
+            }
             batch.clear();
         }
+    }
+
+    /// Verifies the batch in order, marking failures. Under the `fail` policy the batch
+    /// is cut before the first failure, which is returned. `None` when the term ended
+    /// while an event was held.
+    async fn verify(&self, v: &Verifier, batch: &mut Vec<Event>) -> Option<Option<(u64, Invalid)>> {
+        for i in 0..batch.len() {
+            let e = &batch[i];
+            let verdict = v.check(self.index, e.seq(), e.message(), &self.ctx.cancel).await?;
+            if let Verdict::Invalid(inv) = verdict {
+                if v.policy() == InvalidPolicy::Fail {
+                    let seq = batch[i].seq();
+                    batch.truncate(i);
+                    return Some(Some((seq, inv)));
+                }
+                let e = &mut batch[i];
+                // An invalid event is handed over even when the filter would hide it.
+                e.hidden = false;
+                e.set_invalid(inv);
+            }
+        }
+        Some(None)
     }
 
     /// Hands one batch to the handler, retrying failures with backoff until the term ends.
@@ -171,6 +252,12 @@ impl Lane {
 /// Renders each event of the batch once, here in its lane (so lanes render in parallel).
 fn render_batch(batch: &mut [Event], r: &Render) {
     for e in batch {
+        if let Some(i) = e.invalid() {
+            let mut json = String::with_capacity(256);
+            i.write_json(e.seq(), &mut json);
+            e.set_json(json);
+            continue;
+        }
         let mut json = String::with_capacity(e.bytes().len() * 2);
         let written = render(e.message(), r, &mut json);
         if written.record_errors > 0 {

@@ -81,6 +81,9 @@ pub struct Status {
     /// back to the committed position): which relay and what is missing. Not ready
     /// while set.
     pub refused_switch: Option<String>,
+    /// Repos marked desynchronised by an invalid event (list them with
+    /// [`StatusHandle::desynchronized`]).
+    pub desynchronized: usize,
 }
 
 /// The shared status of one consumer: cheap to clone, read from any task.
@@ -94,6 +97,7 @@ struct Inner {
     events: AtomicU64,
     ready: AtomicBool,
     refused: AtomicBool,
+    desync: Arc<crate::verify::Desync>,
 }
 
 impl Default for StatusHandle {
@@ -104,6 +108,7 @@ impl Default for StatusHandle {
             events: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             refused: AtomicBool::new(false),
+            desync: Arc::default(),
         }))
     }
 }
@@ -115,6 +120,7 @@ impl StatusHandle {
     #[must_use]
     pub fn snapshot(&self) -> Status {
         let mut s = self.0.status.borrow().clone();
+        s.desynchronized = self.0.desync.len();
         let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
         if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {
             s.role = Role::Expired;
@@ -133,6 +139,17 @@ impl StatusHandle {
     #[must_use]
     pub fn is_ready(&self) -> bool {
         self.0.ready.load(Ordering::Relaxed) && !self.0.refused.load(Ordering::Relaxed)
+    }
+
+    /// The repos an invalid event marked desynchronised, until a valid `#sync` or a
+    /// commit that chains again (`/repos/invalid`, `firekeeper repos invalid`).
+    #[must_use]
+    pub fn desynchronized(&self) -> Vec<crate::verify::Desynced> {
+        self.0.desync.list()
+    }
+
+    pub(crate) fn desync(&self) -> Arc<crate::verify::Desync> {
+        self.0.desync.clone()
     }
 
     /// Events handed to the handler by this process.

@@ -21,7 +21,7 @@ use crate::continuity::{GapPolicy, Recent};
 use crate::error::Fatal;
 use crate::handler::{BatchCtx, Event, Handler};
 use crate::metrics as m;
-use crate::pipeline::{Pipeline, Shape};
+use crate::pipeline::{LaneStop, Pipeline, Shape};
 use crate::status::{Role, StatusHandle};
 
 /// Committed cursors per relay fingerprint, as seen by this process (its own commits and,
@@ -563,6 +563,21 @@ impl Leader<'_, '_> {
     }
 
     /// Settles what was delivered, then ends the term with an operator-facing error.
+    /// An event failed verification under the `fail` policy: take in what the other
+    /// lanes finish, commit up to just before it, and stop.
+    async fn stop_at_invalid(&mut self, (seq, invalid): (u64, crate::verify::Invalid)) -> Step {
+        let e = Fatal::Invalid { seq, invalid: Box::new(invalid) };
+        tracing::error!(error = %e, "stopping: this needs an operator");
+        self.sub.close().await;
+        if let Err(i) = guarded(self.cx, &self.term, self.p.wind_down()).await {
+            return i.into();
+        }
+        if commit(self.cx, &self.term, &mut self.p, true).await.is_err() {
+            return Step::End(TermEnd::Lost);
+        }
+        Step::End(TermEnd::Fatal(e))
+    }
+
     async fn fatal(&mut self, e: Fatal) -> Step {
         tracing::error!(error = %e, "stopping: this needs an operator");
         match self.settle().await {
@@ -658,10 +673,15 @@ impl Leader<'_, '_> {
             None => None,
         };
         // A filtered-out commit that reveals a break still goes out, to carry the break.
-        if emit.is_none() && self.cx.settings.options.collections.as_ref().is_some_and(|c| c.drops(m)) {
+        // Under verification it goes to its lane hidden: the repo's chain needs every
+        // commit, and an invalid one is handed over as `#invalid` whatever the filter.
+        let hidden = emit.is_none() && self.cx.settings.options.collections.as_ref().is_some_and(|c| c.drops(m));
+        if hidden && self.cx.shape.verifier.is_none() {
             return self.pass(seq);
         }
-        metrics::counter!(m::EVENTS, "type" => m.kind().as_str()).increment(1);
+        if !hidden {
+            metrics::counter!(m::EVENTS, "type" => m.kind().as_str()).increment(1);
+        }
         if let Some(t) = m.time() {
             self.last_time.clear();
             self.last_time.push_str(t);
@@ -687,6 +707,7 @@ impl Leader<'_, '_> {
         }
         self.cx.status.add_events(1);
         let mut e = Event::new(f);
+        e.hidden = hidden;
         if let Some(b) = emit {
             e.set_chain_break(b);
         }
@@ -807,9 +828,11 @@ impl Leader<'_, '_> {
                 // Before the done results: a busy stream always has one ready, and a
                 // biased select would never reach the commit tick behind them.
                 _ = tick.tick() => self.tick().await,
-                Some(r) = self.p.done.recv() => {
-                    if self.p.on_done(r).is_err() { Step::End(TermEnd::Lost) } else { Step::Next }
-                }
+                Some(r) = self.p.done.recv() => match self.p.on_done(r) {
+                    Ok(()) => Step::Next,
+                    Err(LaneStop::Invalid(stop)) => self.stop_at_invalid(*stop).await,
+                    Err(LaneStop::Handler(_)) => Step::End(TermEnd::Lost),
+                },
                 item = self.sub.next(), if has_room => self.on_item(item).await,
             };
             match step {

@@ -178,6 +178,9 @@ impl JetStream {
             let p = e.did().map_or(0, |d| did_hash(d) % u64::from(self.cfg.partitions));
             return format!("{base}p{p}");
         }
+        if e.invalid().is_some() {
+            return format!("{base}invalid");
+        }
         let tail = match e.message() {
             Message::Commit(c) => c
                 .ops

@@ -234,7 +234,7 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
     let Some(last) = batch.last() else { return Ok(()) };
     let tx = c.transaction().await.map_err(pg)?;
     let seqs: Vec<i64> = batch.iter().map(|e| i64::try_from(e.seq()).unwrap_or(i64::MAX)).collect();
-    let kinds: Vec<&str> = batch.iter().map(|e| e.kind().as_str()).collect();
+    let kinds: Vec<&str> = batch.iter().map(Event::type_name).collect();
     let dids: Vec<Option<&str>> = batch.iter().map(Event::did).collect();
     let rendered: Vec<String> = batch
         .iter()

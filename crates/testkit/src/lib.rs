@@ -56,6 +56,16 @@ pub fn fixture_frames() -> Vec<bytes_compat::Bytes> {
     relay_client::capture::read(&fixture("pds-capture.frames")).expect("fixtures/pds-capture.frames")
 }
 
+/// The frames of the signed capture `fixtures/signed/signed-b.frames` (959 frames, 10
+/// accounts, real keys; their DID documents are served by [`plc::Plc::signed_fixture`]).
+///
+/// # Panics
+/// When the fixture is missing or corrupt.
+#[must_use]
+pub fn signed_frames() -> Vec<bytes_compat::Bytes> {
+    relay_client::capture::read(&fixture("signed/signed-b.frames")).expect("fixtures/signed/signed-b.frames")
+}
+
 /// The fixture as PDSs with wrong clocks send it (every relay passes a PDS's time on):
 /// every tenth event 60 s late (a lagging PDS), every tenth (offset by 5) an hour fast,
 /// every fiftieth an hour slow. Switch tests use it: tidy clocks hid the defects.

@@ -167,11 +167,12 @@ pub fn record_changed(frame: &[u8]) -> Bytes {
     with_fields(frame, &[("blocks", bytes(&car_build(&root, &blocks)))])
 }
 
-/// The first op's record CID replaced by another record's.
+/// The first create's or update's record CID replaced by another record's.
 #[must_use]
 pub fn op_cid_changed(frame: &[u8]) -> Bytes {
     let c = commit_of(frame);
     let other = cid_for(b"a record that is not in this commit");
+    let target = c.ops.iter().position(|o| o.cid.is_some()).expect("an op with a record");
     let mut w = Writer::new();
     w.array(c.ops.len() as u64);
     for (i, op) in c.ops.iter().enumerate() {
@@ -180,7 +181,7 @@ pub fn op_cid_changed(frame: &[u8]) -> Bytes {
             relay_client::frame::Action::Update => "update",
             relay_client::frame::Action::Delete => "delete",
         };
-        let cid = if i == 0 { Some(other.as_slice()) } else { op.cid.map(|c| c.as_bytes()) };
+        let cid = if i == target { Some(other.as_slice()) } else { op.cid.map(|c| c.as_bytes()) };
         w.map(if op.prev.is_some() { 4 } else { 3 }).str("cid");
         match cid {
             Some(c) => w.link(c),
@@ -220,6 +221,22 @@ pub fn tree_node_removed(frame: &[u8]) -> Bytes {
 #[must_use]
 pub fn prev_data_wrong(frame: &[u8]) -> Bytes {
     with_fields(frame, &[("prevData", link(&cid_for(b"another tree")))])
+}
+
+/// The commit names another repo (`other`, a DID of the same length) as its `did`, CIDs
+/// recomputed; the event still names its own repo.
+#[must_use]
+pub fn commit_did_changed(frame: &[u8], other: &str) -> Bytes {
+    let repo = commit_of(frame).repo.to_owned();
+    assert_eq!(repo.len(), other.len(), "a DID of the same length");
+    edit_commit_block(
+        frame,
+        |b| {
+            let at = b.windows(repo.len()).position(|w| w == repo.as_bytes()).expect("the commit's did");
+            b[at..at + repo.len()].copy_from_slice(other.as_bytes());
+        },
+        true,
+    )
 }
 
 /// The event names another repo than the commit it carries.
