@@ -372,3 +372,58 @@ async fn a_repo_stays_desynchronised_until_a_commit_chains_again() {
     let seen = run.stop().await;
     assert_eq!(seen.values().filter(|v| v.1.is_some()).count(), 1);
 }
+
+/// A relay that drops a commit of a repo: under `full` the repo's next commit does not
+/// continue the last verified one and is `#invalid` (`chain`); the commit after it chains
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_the_relay_dropped_makes_the_next_one_a_chain_failure() {
+    let plc = Plc::signed_fixture().await;
+    let frames = testkit::signed_frames();
+    let cs = commits(&frames);
+    let (gone, next) = cs
+        .iter()
+        .enumerate()
+        .find_map(|(i, c)| {
+            let later: Vec<u64> = cs[i + 1..].iter().filter(|d| d.1 == c.1).map(|d| d.0).collect();
+            (i > 20 && later.len() >= 2).then(|| (c.0, later[0]))
+        })
+        .expect("a repo with two commits after one");
+    let holed = relay_sim::without(&frames, |m| m.seq() == Some(gone));
+    let run = start(holed, options(&plc, VerifyMode::Full), "verify-dropped", None).await;
+    run.until_committed(959).await;
+    let seen = run.stop().await;
+    assert_eq!(seen[&next].1, Some(Reason::Chain));
+    assert_eq!(seen.values().filter(|v| v.1.is_some()).count(), 1, "only the commit that revealed it");
+}
+
+/// With a collection filter the commits it drops are still verified (the chain needs
+/// them: none of the kept ones fails for a missing predecessor), and an invalid one is
+/// handed over as `#invalid` whatever its collection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filtered_commits_are_verified_and_an_invalid_one_is_still_handed_over() {
+    let plc = Plc::signed_fixture().await;
+    let frames = testkit::signed_frames();
+    let like = frames
+        .iter()
+        .filter_map(|f| match relay_client::decode(f).ok()? {
+            Frame::Message(Message::Commit(c))
+                if c.ops.len() == 1 && c.ops[0].collection() == "app.bsky.feed.like" && c.ops[0].cid.is_some() =>
+            {
+                Some(c.seq)
+            }
+            _ => None,
+        })
+        .nth(5)
+        .expect("a like");
+    let frames: Vec<Bytes> =
+        frames.iter().map(|f| if seq_of(f) == like { tamper::sig_flipped(f) } else { f.clone() }).collect();
+    let mut o = options(&plc, VerifyMode::Full);
+    o.collections = consumer::CollectionFilter::new(["app.bsky.feed.post"]).expect("filter");
+    let run = start(frames, o, "verify-filtered", None).await;
+    run.until_committed(959).await;
+    let seen = run.stop().await;
+    assert_eq!(seen.get(&like).map(|v| v.1), Some(Some(Reason::Signature)), "the invalid like is handed over");
+    assert_eq!(seen.values().filter(|v| v.1.is_some()).count(), 1, "no kept commit failed its chain");
+    assert!(seen.len() < 900, "the filter dropped the rest of the likes and follows: {}", seen.len());
+}
