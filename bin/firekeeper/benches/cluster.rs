@@ -3,6 +3,8 @@
 //! - the raw WebSocket ceiling (a client that only reads frames) and, in the same run,
 //!   end-to-end frames/s from relay-sim through firekeeper with the null and jsonl sinks
 //!   (and a baseline binary given in `FIREKEEPER_BENCH_BASELINE`), with the ratio;
+//! - the signed capture through the binary with `FIREKEEPER_VERIFY` off, `signatures`
+//!   and `full` (keys served by the test PLC, cached after the first commit of each DID);
 //! - peak RSS of a leader feeding a slow webhook sink (backpressure must bound memory);
 //! - crash failover time (SIGKILL the leader → another replica leads), ≥ 10 runs;
 //! - graceful handover gap (old leader's release → new leader's election, from their
@@ -36,6 +38,9 @@ async fn wait_committed(c: &Cluster, i: usize, total: u64) {
 
 /// Copies of the fixture in the throughput runs (103,320 frames).
 const COPIES: usize = 70;
+
+/// Copies of the signed capture in the verification runs (100,695 frames).
+const SIGNED_COPIES: usize = 105;
 
 /// Runs of each throughput figure (the VM is noisy; medians are reported).
 const RUNS: usize = 3;
@@ -190,6 +195,9 @@ fn main() {
         let baseline = std::env::var_os("FIREKEEPER_BENCH_BASELINE").map(PathBuf::from);
         let (mut raw, mut null, mut jsonl, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut unchained, mut jetstream) = (Vec::new(), Vec::new());
+        let (mut unverified, mut signatures, mut full) = (Vec::new(), Vec::new(), Vec::new());
+        let plc = testkit::plc::Plc::signed_fixture().await;
+        let mut signed_n = 0;
         let mut n = 0;
         for _ in 0..RUNS {
             raw.push(raw_ceiling().await.1);
@@ -202,6 +210,21 @@ fn main() {
             jetstream.push(throughput_of(js).await.1);
             if let Some(b) = &baseline {
                 base.push(throughput(Some(b.clone()), "null").await.1);
+            }
+            for (mode, into) in [("off", &mut unverified), ("signatures", &mut signatures), ("full", &mut full)] {
+                let env = vec![("FIREKEEPER_VERIFY", mode.to_owned()), ("FIREKEEPER_PLC_URL", plc.url())];
+                let spec = Spec {
+                    replicas: 1,
+                    copies: SIGNED_COPIES,
+                    rate: None,
+                    sink: "null",
+                    extra_env: env,
+                    signed: true,
+                    ..Spec::default()
+                };
+                let (total, fps) = throughput_of(spec).await;
+                signed_n = total;
+                into.push(fps);
             }
         }
         let (r, f) = (median(&mut raw.clone()), median(&mut null.clone()));
@@ -234,6 +257,18 @@ fn main() {
                 median(&mut base.clone())
             );
         }
+        let (u, fu) = (median(&mut unverified.clone()), median(&mut full.clone()));
+        println!(
+            "signed capture, {signed_n} frames, null sink, FIREKEEPER_VERIFY=off, {RUNS} runs: {} → median {u:.0} frames/s",
+            runs(&unverified)
+        );
+        println!(
+            "signed capture, FIREKEEPER_VERIFY=signatures, {RUNS} runs: {} → median {:.0} frames/s",
+            runs(&signatures),
+            median(&mut signatures.clone())
+        );
+        println!("signed capture, FIREKEEPER_VERIFY=full, {RUNS} runs: {} → median {fu:.0} frames/s", runs(&full));
+        println!("ratio verified (full) / unverified: {:.2}", fu / u);
         let rss = slow_sink_rss().await;
         println!("peak RSS with a slow webhook sink (20 ms per 100 events): {rss:.1} MiB");
         let (mut crash, mut gaps) = failover(10).await;

@@ -363,8 +363,9 @@ impl Verifier {
         chains.old.remove(&key);
     }
 
-    /// The repo's chain (full tier): a commit's rev is after the last verified one and its
-    /// `prevData` (else its `since`) continues it. A `#sync` restarts the chain.
+    /// The repo's chain (full tier): a commit after the last verified one continues it by
+    /// its `prevData` (else its `since`); one at or before it is a replay (ignored, as
+    /// the chain check does). A `#sync` restarts the chain.
     fn chained(&self, lane: usize, m: &Message<'_>, repo: &str, v: &Verified) -> Result<(), Failure> {
         let Some(rev) = tid(&v.rev) else { return Ok(()) };
         let now = Last { rev, data: digest(&v.data) };
@@ -385,20 +386,18 @@ impl Verifier {
             chains.put(key, now);
             return Ok(());
         };
-        if last == now {
-            return Ok(()); // the same commit again
+        if rev <= last.rev {
+            // A replay of a commit at or before the last verified one (a relay switch's
+            // overlap, a restart from an older cursor): authentic, and no break.
+            return Ok(());
         }
-        let broken = if rev <= last.rev {
-            Some(format!("rev {} is not after the last verified rev", v.rev))
-        } else if let Some(p) = c.prev_data {
+        let broken = if let Some(p) = c.prev_data {
             (digest(p.as_bytes()) != last.data).then(|| "prevData is not the last verified commit's tree".to_owned())
         } else {
             c.since.filter(|s| tid(s) != Some(last.rev)).map(|s| format!("since {s} is not the last verified rev"))
         };
         // An authentic commit that does not chain still is the repo's newest state.
-        if rev > last.rev {
-            chains.put(key, now);
-        }
+        chains.put(key, now);
         drop(chains);
         if let Some(detail) = broken {
             return Err(Failure::new(Reason::Chain, detail));

@@ -427,3 +427,17 @@ async fn filtered_commits_are_verified_and_an_invalid_one_is_still_handed_over()
     assert_eq!(seen.values().filter(|v| v.1.is_some()).count(), 1, "no kept commit failed its chain");
     assert!(seen.len() < 900, "the filter dropped the rest of the likes and follows: {}", seen.len());
 }
+
+/// A relay that serves the capture twice (renumbered, as after a restart from an older
+/// position): the second copy's commits are replays of verified ones, not chain breaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_commits_are_not_chain_failures() {
+    let plc = Plc::signed_fixture().await;
+    let frames = relay_sim::capture::repeat(&testkit::signed_frames(), 2);
+    let total = frames.len() as u64;
+    let run = start(frames, options(&plc, VerifyMode::Full), "verify-replay", None).await;
+    run.until_committed(total).await;
+    let seen = run.stop().await;
+    assert_eq!(seen.len() as u64, total);
+    assert_eq!(seen.values().filter(|v| v.1.is_some()).count(), 0);
+}

@@ -132,6 +132,7 @@ impl Drop for Replica {
 }
 
 /// Settings of a cluster.
+#[allow(clippy::struct_excessive_bools)] // independent switches of one test cluster
 pub struct Spec {
     /// How many replicas.
     pub replicas: usize,
@@ -155,6 +156,8 @@ pub struct Spec {
     /// Lease and cursors on NATS (JetStream KV) instead of Redis: the proxies stand in
     /// front of [`Cluster::nats`].
     pub nats: bool,
+    /// Replay the signed capture (`fixtures/signed/`) instead of the unsigned one.
+    pub signed: bool,
 }
 
 impl Default for Spec {
@@ -170,6 +173,7 @@ impl Default for Spec {
             bin: None,
             secondary_seq_space: false,
             nats: false,
+            signed: false,
         }
     }
 }
@@ -402,7 +406,7 @@ impl Cluster {
         let frames = if spec.secondary {
             capture::repeat_in_time(&fixture_frames(), spec.copies)
         } else {
-            capture::repeat(&fixture_frames(), spec.copies)
+            capture::repeat(&if spec.signed { crate::signed_frames() } else { fixture_frames() }, spec.copies)
         };
         let total = frames.iter().filter(|f| relay_sim::frame_seq(f).is_some()).count() as u64;
         let sim_cfg = SimConfig { rate: spec.rate, initial_head: spec.rate.map(|_| 0), ..SimConfig::default() };
