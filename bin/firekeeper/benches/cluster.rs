@@ -199,18 +199,9 @@ fn main() {
         let plc = testkit::plc::Plc::signed_fixture().await;
         let mut signed_n = 0;
         let mut n = 0;
+        // FK_BENCH_ONLY=verify measures the verification figures alone.
+        let only_verify = std::env::var("FK_BENCH_ONLY").is_ok_and(|v| v == "verify");
         for _ in 0..RUNS {
-            raw.push(raw_ceiling().await.1);
-            let (total, fps) = throughput(None, "null").await;
-            n = total;
-            null.push(fps);
-            jsonl.push(throughput(None, "jsonl").await.1);
-            unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await.1);
-            let js = Spec { replicas: 1, copies: COPIES, rate: None, sink: "nats", nats: true, ..Spec::default() };
-            jetstream.push(throughput_of(js).await.1);
-            if let Some(b) = &baseline {
-                base.push(throughput(Some(b.clone()), "null").await.1);
-            }
             for (mode, into) in [("off", &mut unverified), ("signatures", &mut signatures), ("full", &mut full)] {
                 let env = vec![("FIREKEEPER_VERIFY", mode.to_owned()), ("FIREKEEPER_PLC_URL", plc.url())];
                 let spec = Spec {
@@ -226,6 +217,35 @@ fn main() {
                 signed_n = total;
                 into.push(fps);
             }
+            if only_verify {
+                continue;
+            }
+            raw.push(raw_ceiling().await.1);
+            let (total, fps) = throughput(None, "null").await;
+            n = total;
+            null.push(fps);
+            jsonl.push(throughput(None, "jsonl").await.1);
+            unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await.1);
+            let js = Spec { replicas: 1, copies: COPIES, rate: None, sink: "nats", nats: true, ..Spec::default() };
+            jetstream.push(throughput_of(js).await.1);
+            if let Some(b) = &baseline {
+                base.push(throughput(Some(b.clone()), "null").await.1);
+            }
+        }
+        let (u, fu) = (median(&mut unverified.clone()), median(&mut full.clone()));
+        println!(
+            "signed capture, {signed_n} frames, null sink, FIREKEEPER_VERIFY=off, {RUNS} runs: {} → median {u:.0} frames/s",
+            runs(&unverified)
+        );
+        println!(
+            "signed capture, FIREKEEPER_VERIFY=signatures, {RUNS} runs: {} → median {:.0} frames/s",
+            runs(&signatures),
+            median(&mut signatures.clone())
+        );
+        println!("signed capture, FIREKEEPER_VERIFY=full, {RUNS} runs: {} → median {fu:.0} frames/s", runs(&full));
+        println!("ratio verified (full) / unverified: {:.2}", fu / u);
+        if only_verify {
+            return;
         }
         let (r, f) = (median(&mut raw.clone()), median(&mut null.clone()));
         println!("raw WebSocket ceiling (read frames only), {n} frames, {RUNS} runs: {} → median {r:.0} frames/s", runs(&raw));
@@ -257,18 +277,6 @@ fn main() {
                 median(&mut base.clone())
             );
         }
-        let (u, fu) = (median(&mut unverified.clone()), median(&mut full.clone()));
-        println!(
-            "signed capture, {signed_n} frames, null sink, FIREKEEPER_VERIFY=off, {RUNS} runs: {} → median {u:.0} frames/s",
-            runs(&unverified)
-        );
-        println!(
-            "signed capture, FIREKEEPER_VERIFY=signatures, {RUNS} runs: {} → median {:.0} frames/s",
-            runs(&signatures),
-            median(&mut signatures.clone())
-        );
-        println!("signed capture, FIREKEEPER_VERIFY=full, {RUNS} runs: {} → median {fu:.0} frames/s", runs(&full));
-        println!("ratio verified (full) / unverified: {:.2}", fu / u);
         let rss = slow_sink_rss().await;
         println!("peak RSS with a slow webhook sink (20 ms per 100 events): {rss:.1} MiB");
         let (mut crash, mut gaps) = failover(10).await;

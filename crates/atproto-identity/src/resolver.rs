@@ -117,6 +117,10 @@ impl Cache {
         self.young.insert(did, c);
     }
 
+    fn contains(&self, did: &str) -> bool {
+        self.young.contains_key(did) || self.old.contains_key(did)
+    }
+
     fn remove(&mut self, did: &str) {
         self.young.remove(did);
         self.old.remove(did);
@@ -211,9 +215,24 @@ impl Resolver {
         self.fetch(did, true).await
     }
 
-    /// Forgets `did` (an `#identity` event said its document changed).
+    /// Forgets `did` (its document must be asked for before it is used again).
     pub fn invalidate(&self, did: &str) {
         self.inner.cache.lock().expect("cache").remove(did);
+    }
+
+    /// An `#identity` event said the document of `did` may have changed: ask for it now,
+    /// in the background. Until the answer lands the cached identity still serves (a
+    /// look-up never waits on the directory for a DID it knows); a signature that fails
+    /// with it asks again and waits ([`Resolver::refresh`]).
+    pub fn changed(&self, did: &str) {
+        if !self.inner.cache.lock().expect("cache").contains(did) {
+            return;
+        }
+        let me = self.clone();
+        let did = did.to_owned();
+        tokio::spawn(async move {
+            let _ = me.fetch(&did, false).await;
+        });
     }
 
     /// Requests made to the directory so far (for tests and metrics).

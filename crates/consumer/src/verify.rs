@@ -278,8 +278,10 @@ impl Verifier {
         let tier = if self.opts.mode == VerifyMode::Full { Tier::Full } else { Tier::Signatures };
         let (repo, rev, commit) = match m {
             Message::Identity(i) => {
-                // The document may have changed: the next commit asks the directory.
-                self.resolver.invalidate(i.did);
+                // The document may have changed: ask for it now, in the background (the
+                // repo's next commits do not wait on the directory; one whose signature
+                // fails with the key held asks again and waits).
+                self.resolver.changed(i.did);
                 return Some(Verdict::Valid);
             }
             Message::Commit(c) => (c.repo, c.rev, Some(c.commit.to_string())),

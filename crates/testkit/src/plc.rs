@@ -47,6 +47,7 @@ impl Plc {
         let task = tokio::spawn(async move {
             loop {
                 let Ok((mut s, _)) = listener.accept().await else { continue };
+                let _ = s.set_nodelay(true);
                 let (st, rq) = (st.clone(), rq.clone());
                 tokio::spawn(async move {
                     let mut pending = Vec::new();
@@ -71,7 +72,7 @@ impl Plc {
                             "HTTP/1.1 {status}\r\ncontent-type: application/did+ld+json\r\ncontent-length: {}\r\n\r\n",
                             body.len()
                         );
-                        if s.write_all(head.as_bytes()).await.is_err() || s.write_all(body.as_bytes()).await.is_err() {
+                        if s.write_all((head + &body).as_bytes()).await.is_err() {
                             return;
                         }
                     }
