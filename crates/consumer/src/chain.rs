@@ -118,14 +118,59 @@ impl Hasher for Identity {
     }
 }
 
-type Table = HashMap<u64, u64, BuildHasherDefault<Identity>>;
+/// Values by 64-bit key hash in two generations of at most `half` entries each: a key
+/// found in the older one moves to the newer; when the newer fills, the older is
+/// forgotten. Shared by the chain check and the verifier's per-lane chains.
+pub(crate) struct Generations<V> {
+    half: usize,
+    young: HashMap<u64, V, BuildHasherDefault<Identity>>,
+    old: HashMap<u64, V, BuildHasherDefault<Identity>>,
+}
+
+impl<V: Copy> Generations<V> {
+    /// At most `capacity` entries (at least 2).
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self { half: (capacity / 2).max(1), young: HashMap::default(), old: HashMap::default() }
+    }
+
+    /// The value of `key`, moved to the newer generation.
+    pub(crate) fn get(&mut self, key: u64) -> Option<V> {
+        if let Some(v) = self.young.get(&key) {
+            return Some(*v);
+        }
+        let v = self.old.remove(&key)?;
+        self.put(key, v);
+        Some(v)
+    }
+
+    /// The value of `key`, where it stands.
+    pub(crate) fn peek(&self, key: u64) -> Option<V> {
+        self.young.get(&key).or_else(|| self.old.get(&key)).copied()
+    }
+
+    pub(crate) fn put(&mut self, key: u64, v: V) {
+        if self.young.len() >= self.half && !self.young.contains_key(&key) {
+            // The older generation goes; its table (already grown) becomes the newer one.
+            self.old.clear();
+            std::mem::swap(&mut self.young, &mut self.old);
+        }
+        self.young.insert(key, v);
+    }
+
+    pub(crate) fn remove(&mut self, key: u64) {
+        self.young.remove(&key);
+        self.old.remove(&key);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.young.len() + self.old.len()
+    }
+}
 
 /// The last rev seen per recent repo: the chain check the work loop runs on every
 /// `#commit` and `#sync` (public for benchmarks and for checking a stream read elsewhere).
 pub struct Chains {
-    half: usize,
-    young: Table,
-    old: Table,
+    revs: Generations<u64>,
     keys: RandomState,
 }
 
@@ -133,25 +178,7 @@ impl Chains {
     /// Remembers at most `capacity` repos (at least 2).
     #[must_use]
     pub fn new(capacity: usize) -> Self {
-        Self { half: (capacity / 2).max(1), young: Table::default(), old: Table::default(), keys: RandomState::new() }
-    }
-
-    fn last(&mut self, key: u64) -> Option<u64> {
-        if let Some(r) = self.young.get(&key) {
-            return Some(*r);
-        }
-        let r = self.old.remove(&key)?;
-        self.put(key, r);
-        Some(r)
-    }
-
-    fn put(&mut self, key: u64, rev: u64) {
-        if self.young.len() >= self.half && !self.young.contains_key(&key) {
-            // The older generation goes; its table (already grown) becomes the newer one.
-            self.old.clear();
-            std::mem::swap(&mut self.young, &mut self.old);
-        }
-        self.young.insert(key, rev);
+        Self { revs: Generations::new(capacity), keys: RandomState::new() }
     }
 
     /// Checks a `#commit` against its repo's last rev and records its rev. A commit not
@@ -160,15 +187,14 @@ impl Chains {
     pub fn commit(&mut self, repo: &str, rev: &str, since: Option<&str>) -> Option<ChainBreak> {
         let key = self.keys.hash_one(repo);
         let Some(r) = tid(rev) else {
-            self.young.remove(&key);
-            self.old.remove(&key);
+            self.revs.remove(key);
             return None;
         };
-        let last = self.last(key);
+        let last = self.revs.get(key);
         if last.is_some_and(|l| r <= l) {
             return None;
         }
-        self.put(key, r);
+        self.revs.put(key, r);
         let (last, since) = (last?, since?);
         if tid(since) == Some(last) {
             return None;
@@ -185,11 +211,10 @@ impl Chains {
     pub fn sync(&mut self, did: &str, rev: &str) {
         let key = self.keys.hash_one(did);
         match tid(rev) {
-            Some(r) if self.last(key).is_none_or(|l| r > l) => self.put(key, r),
+            Some(r) if self.revs.get(key).is_none_or(|l| r > l) => self.revs.put(key, r),
             Some(_) => {}
             None => {
-                self.young.remove(&key);
-                self.old.remove(&key);
+                self.revs.remove(key);
             }
         }
     }
@@ -201,13 +226,13 @@ impl Chains {
     pub fn covers(&self, repo: &str, rev: &str) -> bool {
         let Some(r) = tid(rev) else { return false };
         let key = self.keys.hash_one(repo);
-        self.young.get(&key).or_else(|| self.old.get(&key)).is_some_and(|l| r <= *l)
+        self.revs.peek(key).is_some_and(|l| r <= l)
     }
 
     /// Repos remembered.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.young.len() + self.old.len()
+        self.revs.len()
     }
 
     /// True before the first repo was seen.

@@ -27,7 +27,7 @@ use relay_client::backoff::{Backoff, BackoffConfig};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::chain::tid;
+use crate::chain::{Generations, tid};
 use crate::metrics as m;
 
 /// How much of each commit to check.
@@ -191,32 +191,6 @@ struct Last {
     data: [u8; 32],
 }
 
-/// One lane's repos (two generations, like the chain check's).
-struct LaneChains {
-    half: usize,
-    young: HashMap<u64, Last>,
-    old: HashMap<u64, Last>,
-}
-
-impl LaneChains {
-    fn get(&mut self, key: u64) -> Option<Last> {
-        if let Some(l) = self.young.get(&key) {
-            return Some(*l);
-        }
-        let l = self.old.remove(&key)?;
-        self.put(key, l);
-        Some(l)
-    }
-
-    fn put(&mut self, key: u64, last: Last) {
-        if self.young.len() >= self.half && !self.young.contains_key(&key) {
-            self.old.clear();
-            std::mem::swap(&mut self.young, &mut self.old);
-        }
-        self.young.insert(key, last);
-    }
-}
-
 fn digest(cid: &[u8]) -> [u8; 32] {
     let mut d = [0u8; 32];
     let n = cid.len().min(32);
@@ -236,7 +210,7 @@ pub(crate) enum Verdict {
 pub(crate) struct Verifier {
     opts: VerifyOptions,
     resolver: Resolver,
-    lanes: Vec<Mutex<LaneChains>>,
+    lanes: Vec<Mutex<Generations<Last>>>,
     keys: RandomState,
     desync: Arc<Desync>,
 }
@@ -250,13 +224,11 @@ impl Verifier {
             return Ok(None);
         }
         desync.max.store(opts.desync_max, Ordering::Relaxed);
-        let half = (opts.repos / lanes.max(1) / 2).max(1);
+        let per_lane = opts.repos / lanes.max(1);
         Ok(Some(Self {
             resolver: Resolver::new(opts.resolver.clone())?,
             opts: opts.clone(),
-            lanes: (0..lanes.max(1))
-                .map(|_| Mutex::new(LaneChains { half, young: HashMap::new(), old: HashMap::new() }))
-                .collect(),
+            lanes: (0..lanes.max(1)).map(|_| Mutex::new(Generations::new(per_lane))).collect(),
             keys: RandomState::new(),
             desync,
         }))
@@ -361,8 +333,7 @@ impl Verifier {
     fn forget(&self, lane: usize, repo: &str) {
         let key = self.keys.hash_one(repo);
         let mut chains = self.lanes[lane % self.lanes.len()].lock().expect("lane chains");
-        chains.young.remove(&key);
-        chains.old.remove(&key);
+        chains.remove(key);
     }
 
     /// The repo's chain (full tier): a commit after the last verified one continues it by
