@@ -214,6 +214,6 @@ mod tests {
         let last = tampered.len() - 1;
         tampered[last] ^= 1;
         assert!(Car::parse(&tampered, false).is_ok());
-        assert!(matches!(Car::parse(&tampered, true), Err(DecodeError::Car(_))));
+        assert!(matches!(Car::parse(&tampered, true), Err(DecodeError::BlockHash(_))));
     }
 }
