@@ -21,296 +21,16 @@ use tokio_tungstenite::tungstenite::{self, Message as WsMessage, protocol::WebSo
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use yoke::Yoke;
 
-use crate::backoff::{Backoff, BackoffConfig};
+use crate::backoff::Backoff;
+pub use crate::config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, OVERSIZE_PROBE_BYTES, RelayRole};
 use crate::error::{ConnError, DecodeError, SubscribeError};
-use crate::frame::{self, Frame, Message};
+use crate::frame::{self, Frame, Message, peek_seq};
+pub use crate::item::{Item, Notice, OwnedFrame, Stats, SwitchReason};
 use crate::relay_url::RelayUrl;
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
-/// Which configured relay.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RelayRole {
-    /// The preferred relay.
-    Primary,
-    /// The fallback relay.
-    Secondary,
-}
-
-impl RelayRole {
-    /// `primary` or `secondary`: how relays are named in logs and metrics.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Primary => "primary",
-            Self::Secondary => "secondary",
-        }
-    }
-
-    fn other(self) -> Self {
-        match self {
-            Self::Primary => Self::Secondary,
-            Self::Secondary => Self::Primary,
-        }
-    }
-}
-
-impl fmt::Display for RelayRole {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What to do when a relay answers `FutureCursor`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum FutureCursorPolicy {
-    /// Stop with [`SubscribeError::FutureCursor`]: an operator must look.
-    #[default]
-    Fail,
-    /// Reconnect without a cursor (live tail), accepting that events may be missed.
-    GoLive,
-}
-
-/// What to do with a frame that carries a seq but cannot be decoded (or is over the
-/// frame limit). Frames without a readable seq (garbage, text) have no place in the
-/// sequence and are always counted and skipped: they cannot move the cursor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BadFramePolicy {
-    /// Stop with [`SubscribeError::BadFrame`] / [`SubscribeError::FrameTooLarge`]: the
-    /// cursor stays before the frame until an operator decides.
-    #[default]
-    Fail,
-    /// Count it ([`Notice::BadFrame`] with `skipped: true`) and move past it: the caller
-    /// accepts that this one event is lost.
-    Skip,
-}
-
-/// When skipping an oversized frame, the next connection reads with this limit (or four
-/// times the configured one, if larger) only to learn the frame's seq.
-pub const OVERSIZE_PROBE_BYTES: usize = 64 << 20;
-
-/// Connection settings. The defaults suit the public Bluesky relays.
-#[derive(Debug, Clone)]
-pub struct ClientConfig {
-    /// TCP + TLS + WebSocket handshake budget.
-    pub connect_timeout: Duration,
-    /// How often to ping the relay.
-    pub ping_interval: Duration,
-    /// How long a ping may go unanswered.
-    pub pong_timeout: Duration,
-    /// Reconnect when no data frame arrived for this long (pongs do not count: a relay
-    /// that answers pings but sends nothing is stuck).
-    pub stall_timeout: Duration,
-    /// Largest WebSocket message accepted (relays send up to 5 MB).
-    pub max_frame_bytes: usize,
-    /// Reconnect delays.
-    pub backoff: BackoffConfig,
-    /// A connection that has lasted this long and delivered a frame resets the backoff.
-    pub healthy_after: Duration,
-    /// Consecutive failed connections on one relay before switching to the other.
-    pub failover_after: u32,
-    /// While on the secondary, how often to probe the primary.
-    pub probe_interval: Duration,
-    /// Consecutive good probes before failing back to the primary.
-    pub probe_successes: u32,
-    /// How long a probe connection must stay open to count as good.
-    pub probe_hold: Duration,
-    /// What to do on `FutureCursor`.
-    pub future_cursor: FutureCursorPolicy,
-    /// What to do with an undecodable or oversized frame that has a seq.
-    pub bad_frame: BadFramePolicy,
-}
-
-impl Default for ClientConfig {
-    fn default() -> Self {
-        Self {
-            connect_timeout: Duration::from_secs(10),
-            ping_interval: Duration::from_secs(20),
-            pong_timeout: Duration::from_secs(15),
-            stall_timeout: Duration::from_mins(1),
-            max_frame_bytes: 5 << 20,
-            backoff: BackoffConfig::default(),
-            healthy_after: Duration::from_secs(10),
-            failover_after: 3,
-            probe_interval: Duration::from_secs(30),
-            probe_successes: 2,
-            probe_hold: Duration::from_secs(1),
-            future_cursor: FutureCursorPolicy::Fail,
-            bad_frame: BadFramePolicy::Fail,
-        }
-    }
-}
-
-/// A validated event frame that owns its bytes and keeps the message decoded from them:
-/// the frame is decoded once, here, and every later step borrows that decoding.
-pub struct OwnedFrame {
-    /// The decoded message, borrowing from the frame's bytes (its cart).
-    message: Yoke<Message<'static>, Vec<u8>>,
-    /// Its sequence number.
-    pub seq: u64,
-    /// The relay it came from.
-    pub relay: RelayRole,
-}
-
-impl OwnedFrame {
-    /// Decodes `bytes` into an owned frame; `None` unless it is a message with a seq
-    /// (error frames, `#info` and seq-less frames are not events).
-    pub fn decode_event(bytes: Vec<u8>, relay: RelayRole) -> Result<Option<Self>, DecodeError> {
-        let frame = Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(bytes, frame::decode)?;
-        let seq = match frame.get() {
-            Frame::Message(m) => m.seq(),
-            Frame::Error(_) => None,
-        };
-        Ok(seq.and_then(|seq| Self::from_frame(frame, seq, relay)))
-    }
-
-    fn from_frame(frame: Yoke<Frame<'static>, Vec<u8>>, seq: u64, relay: RelayRole) -> Option<Self> {
-        let message = frame
-            .try_map_project(|f, _| match f {
-                Frame::Message(m) => Ok(m),
-                Frame::Error(_) => Err(()),
-            })
-            .ok()?;
-        Some(Self { message, seq, relay })
-    }
-
-    /// The decoded message.
-    #[must_use]
-    pub fn message(&self) -> &Message<'_> {
-        self.message.get()
-    }
-
-    /// The WebSocket message, exactly as received.
-    #[must_use]
-    pub fn bytes(&self) -> &[u8] {
-        self.message.backing_cart()
-    }
-}
-
-impl fmt::Debug for OwnedFrame {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OwnedFrame")
-            .field("seq", &self.seq)
-            .field("relay", &self.relay)
-            .field("kind", &self.message().kind())
-            .field("len", &self.bytes().len())
-            .finish_non_exhaustive()
-    }
-}
-
-/// Something the caller should know about; none of these needs an answer.
-#[derive(Debug, Clone)]
-pub enum Notice {
-    /// A connection is up.
-    Connected {
-        /// Which relay.
-        relay: RelayRole,
-        /// The cursor it was opened with.
-        cursor: Option<u64>,
-    },
-    /// A connection ended; the next one is tried after `retry_in`.
-    Disconnected {
-        /// Which relay.
-        relay: RelayRole,
-        /// Why.
-        error: ConnError,
-        /// Delay before the next attempt.
-        retry_in: Duration,
-    },
-    /// A frame could not be decoded and was skipped. With `seq: None` it had no place in
-    /// the sequence (garbage, text) and the cursor is unaffected; with a seq it was
-    /// skipped under [`BadFramePolicy::Skip`] and the cursor moves past it (under
-    /// [`BadFramePolicy::Fail`] the subscription stops instead and no notice is sent).
-    BadFrame {
-        /// Which relay.
-        relay: RelayRole,
-        /// Its seq, if the body got that far.
-        seq: Option<u64>,
-        /// What was wrong.
-        error: DecodeError,
-    },
-    /// seq went backwards within a connection (relay reset or misbehaving). Frames at or
-    /// below the last delivered seq are dropped.
-    SeqBackwards {
-        /// Which relay.
-        relay: RelayRole,
-        /// The last delivered seq.
-        last: u64,
-        /// The seq received.
-        got: u64,
-    },
-    /// `#info OutdatedCursor`: the cursor is older than the relay's backfill window, so
-    /// events between the cursor and the relay's oldest were missed.
-    OutdatedCursor {
-        /// Which relay.
-        relay: RelayRole,
-        /// The relay's message.
-        message: Option<String>,
-    },
-    /// Some other `#info`.
-    Info {
-        /// Which relay.
-        relay: RelayRole,
-        /// Its name.
-        name: String,
-        /// Its message.
-        message: Option<String>,
-    },
-    /// The relay went live after `FutureCursor` under [`FutureCursorPolicy::GoLive`].
-    WentLive {
-        /// Which relay.
-        relay: RelayRole,
-        /// The cursor that was rejected.
-        rejected: Option<u64>,
-    },
-}
-
-/// Why the subscription asks to switch relays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SwitchReason {
-    /// The current relay failed `failover_after` times in a row.
-    Failover,
-    /// The primary passed its health probes again.
-    Failback,
-}
-
-/// One thing from the subscription.
-#[derive(Debug)]
-pub enum Item {
-    /// The next event, seq strictly greater than every earlier one from this relay.
-    Frame(OwnedFrame),
-    /// Informational.
-    Notice(Notice),
-    /// Commit `from`'s cursor, then call [`Subscription::start`] with `to` and its cursor.
-    SwitchRelay {
-        /// The relay being left.
-        from: RelayRole,
-        /// The relay to go to.
-        to: RelayRole,
-        /// Why.
-        reason: SwitchReason,
-    },
-}
-
-/// Counters for metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Frames delivered.
-    pub frames: u64,
-    /// Frames that failed to decode.
-    pub bad_frames: u64,
-    /// Frames with a seq equal to the last one, dropped.
-    pub duplicates: u64,
-    /// Frames with a seq below the last one, dropped.
-    pub backwards: u64,
-    /// Frames of unknown type, skipped.
-    pub unknown_types: u64,
-    /// Connections that ended.
-    pub disconnects: u64,
-    /// Relay switches requested.
-    pub switches: u64,
-}
-
+/// One open connection and its liveness bookkeeping.
 struct Conn {
     ws: Ws,
     since: Instant,
@@ -318,8 +38,57 @@ struct Conn {
     next_ping: Instant,
     pong_due: Option<Instant>,
     healthy: bool,
-    frames: u64,
     warned_backwards: bool,
+}
+
+/// The link to the active relay.
+///
+/// ```text
+///            start() / stay()                 connected
+///  Stopped ──────────────────▶ Down{retry_at} ─────────▶ Up(conn)
+///     ▲                          ▲    │ connect failed      │
+///     │                          │    └─────────────────────┤ closed, stalled, pong
+///     │                          └──────────────────────────┘ timeout, error frame
+///     └── switch asked for, bad frame / oversized / FutureCursor under `fail`
+/// ```
+enum Link {
+    /// Waiting for the caller's [`Subscription::start`]: a switch was asked for, or
+    /// the stream stopped on a frame an operator must look at.
+    Stopped,
+    /// No connection; the next attempt at `retry_at` (at once when `None`).
+    Down { retry_at: Option<Instant> },
+    /// Connected.
+    Up(Box<Conn>),
+}
+
+/// Failback to the primary while on the secondary: probes on a timer and their streak.
+#[derive(Default)]
+struct Failback {
+    /// A probe connection in flight.
+    probe: Option<JoinHandle<bool>>,
+    /// When the next probe starts (`None` on the primary, or while one is in flight).
+    next_at: Option<Instant>,
+    /// Consecutive good probes.
+    streak: u32,
+}
+
+impl Failback {
+    /// Stops a probe in flight.
+    fn abort(&mut self) {
+        if let Some(p) = self.probe.take() {
+            p.abort();
+        }
+    }
+
+    /// The next probe one interval from now, when on the secondary.
+    fn schedule(&mut self, active: RelayRole, every: Duration) {
+        self.next_at = (active == RelayRole::Secondary).then(|| Instant::now() + every);
+    }
+
+    /// When the next probe is due, unless one is in flight.
+    fn due(&self) -> Option<Instant> {
+        if self.probe.is_none() { self.next_at } else { None }
+    }
 }
 
 /// The subscription state machine. See the module docs.
@@ -331,15 +100,12 @@ pub struct Subscription {
     /// The cursor to open the next connection with: the last delivered seq, or the
     /// caller's cursor before anything was delivered.
     cursor: Option<u64>,
-    conn: Option<Conn>,
-    retry_at: Option<Instant>,
+    link: Link,
     backoff: Backoff,
+    /// Consecutive failed connections on the active relay.
     failures: u32,
-    awaiting_start: bool,
     queue: VecDeque<Item>,
-    probe: Option<JoinHandle<bool>>,
-    next_probe: Option<Instant>,
-    probe_ok: u32,
+    failback: Failback,
     stats: Stats,
     /// The next connection reads with a raised frame limit, to learn the seq of an
     /// oversized frame that [`BadFramePolicy::Skip`] must step over.
@@ -351,7 +117,7 @@ impl fmt::Debug for Subscription {
         f.debug_struct("Subscription")
             .field("active", &self.active)
             .field("cursor", &self.cursor)
-            .field("connected", &self.conn.is_some())
+            .field("connected", &matches!(self.link, Link::Up(_)))
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
@@ -372,15 +138,11 @@ impl Subscription {
             secondary,
             active: RelayRole::Primary,
             cursor: None,
-            conn: None,
-            retry_at: None,
+            link: Link::Stopped,
             backoff,
             failures: 0,
-            awaiting_start: true,
             queue: VecDeque::new(),
-            probe: None,
-            next_probe: None,
-            probe_ok: 0,
+            failback: Failback::default(),
             stats: Stats::default(),
             oversize_probe: false,
         }
@@ -391,17 +153,13 @@ impl Subscription {
         let relay = if self.secondary.is_none() { RelayRole::Primary } else { relay };
         if relay != self.active {
             self.failures = 0;
-            self.probe_ok = 0;
+            self.failback.streak = 0;
         }
         self.active = relay;
         self.cursor = cursor;
-        self.conn = None;
-        self.awaiting_start = false;
-        self.retry_at = None;
-        if let Some(p) = self.probe.take() {
-            p.abort();
-        }
-        self.next_probe = (relay == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
+        self.link = Link::Down { retry_at: None };
+        self.failback.abort();
+        self.failback.schedule(relay, self.cfg.probe_interval);
     }
 
     /// After a switch the caller refused: resumes on the relay it had, from where it
@@ -409,12 +167,11 @@ impl Subscription {
     /// `failover_after` more failures, or the next failback probes).
     pub fn stay(&mut self) {
         self.failures = 0;
-        self.probe_ok = 0;
-        self.awaiting_start = false;
-        self.conn = None;
+        self.failback.streak = 0;
         // Nothing flows meanwhile: retry at least once per probe interval.
-        self.retry_at = Some(Instant::now() + self.backoff.next_delay().min(self.cfg.probe_interval));
-        self.next_probe = (self.active == RelayRole::Secondary).then(|| Instant::now() + self.cfg.probe_interval);
+        let retry_at = Instant::now() + self.backoff.next_delay().min(self.cfg.probe_interval);
+        self.link = Link::Down { retry_at: Some(retry_at) };
+        self.failback.schedule(self.active, self.cfg.probe_interval);
     }
 
     /// The relay in use.
@@ -446,12 +203,10 @@ impl Subscription {
 
     /// Closes the connection politely.
     pub async fn close(&mut self) {
-        if let Some(mut c) = self.conn.take() {
+        if let Link::Up(mut c) = std::mem::replace(&mut self.link, Link::Down { retry_at: None }) {
             let _ = timeout(Duration::from_secs(1), c.ws.close(None)).await;
         }
-        if let Some(p) = self.probe.take() {
-            p.abort();
-        }
+        self.failback.abort();
     }
 
     /// The next item. Errors end the subscription (until [`Subscription::start`] is
@@ -462,21 +217,20 @@ impl Subscription {
             if let Some(item) = self.queue.pop_front() {
                 return Ok(item);
             }
-            if self.awaiting_start {
-                return Err(SubscribeError::Closed);
-            }
-            if self.conn.is_none() {
-                self.connect().await;
-                continue;
-            }
-            if let Some(item) = self.read(wait_started).await? {
-                return Ok(item);
+            match self.link {
+                Link::Stopped => return Err(SubscribeError::Closed),
+                Link::Down { retry_at } => self.connect(retry_at).await,
+                Link::Up(_) => {
+                    if let Some(item) = self.read(wait_started).await? {
+                        return Ok(item);
+                    }
+                }
             }
         }
     }
 
-    async fn connect(&mut self) {
-        if let Some(at) = self.retry_at.take() {
+    async fn connect(&mut self, retry_at: Option<Instant>) {
+        if let Some(at) = retry_at {
             sleep_until(at).await;
         }
         let relay = self.active;
@@ -494,16 +248,15 @@ impl Subscription {
         match attempt {
             Ok(Ok((ws, _resp))) => {
                 let now = Instant::now();
-                self.conn = Some(Conn {
+                self.link = Link::Up(Box::new(Conn {
                     ws,
                     since: now,
                     last_data: now,
                     next_ping: now + self.cfg.ping_interval,
                     pong_due: None,
                     healthy: false,
-                    frames: 0,
                     warned_backwards: false,
-                });
+                }));
                 tracing::info!(relay = relay.as_str(), cursor = ?self.cursor, "connected to relay");
                 self.queue.push_back(Item::Notice(Notice::Connected { relay, cursor: self.cursor }));
             }
@@ -525,7 +278,8 @@ impl Subscription {
     /// Ends the current connection and schedules the next attempt or a switch.
     fn fail(&mut self, error: ConnError) {
         let relay = self.active;
-        let was_healthy = self.conn.take().is_some_and(|c| c.healthy);
+        let was_healthy =
+            matches!(std::mem::replace(&mut self.link, Link::Down { retry_at: None }), Link::Up(c) if c.healthy);
         self.stats.disconnects += 1;
         self.failures = if was_healthy { 1 } else { self.failures + 1 };
         let can_switch = self.secondary.is_some() && self.failures >= self.cfg.failover_after;
@@ -535,18 +289,16 @@ impl Subscription {
         if can_switch {
             self.request_switch(relay.other(), SwitchReason::Failover);
         } else {
-            self.retry_at = Some(Instant::now() + retry_in);
+            self.link = Link::Down { retry_at: Some(Instant::now() + retry_in) };
         }
     }
 
+    /// Stops and asks the caller to switch relays.
     fn request_switch(&mut self, to: RelayRole, reason: SwitchReason) {
         let from = self.active;
         self.stats.switches += 1;
-        self.awaiting_start = true;
-        self.conn = None;
-        if let Some(p) = self.probe.take() {
-            p.abort();
-        }
+        self.link = Link::Stopped;
+        self.failback.abort();
         tracing::warn!(from = from.as_str(), to = to.as_str(), ?reason, "switching relay");
         self.queue.push_back(Item::SwitchRelay { from, to, reason });
     }
@@ -554,16 +306,17 @@ impl Subscription {
     /// Reads until one item is ready, a connection ends, or nothing happens.
     async fn read(&mut self, wait_started: Instant) -> Result<Option<Item>, SubscribeError> {
         let cfg = &self.cfg;
-        let Some(conn) = self.conn.as_mut() else {
+        let Link::Up(conn) = &mut self.link else {
             return Ok(None);
         };
+        let probe_at = self.failback.due();
         // Fast path: a message the socket already holds needs no timers (arming four
         // sleeps per frame costs more than decoding it). Only taken while no ping and no
         // probe is due; data frames themselves prove liveness.
-        if self.probe.is_none() {
+        if self.failback.probe.is_none() {
             let now = Instant::now();
             if now < conn.next_ping
-                && self.next_probe.is_none_or(|p| now < p)
+                && probe_at.is_none_or(|p| now < p)
                 && let Some(msg) = futures_util::FutureExt::now_or_never(conn.ws.next())
             {
                 return self.on_message(msg);
@@ -572,7 +325,6 @@ impl Subscription {
         let stall_at = conn.last_data.max(wait_started) + cfg.stall_timeout;
         let pong_at = conn.pong_due;
         let next_ping = conn.next_ping;
-        let probe_at = if self.probe.is_none() { self.next_probe } else { None };
         let far = Instant::now() + Duration::from_hours(24);
         tokio::select! {
             biased;
@@ -602,8 +354,8 @@ impl Subscription {
                 self.start_probe();
                 Ok(None)
             }
-            ok = async { self.probe.as_mut().expect("guarded").await }, if self.probe.is_some() => {
-                self.probe = None;
+            ok = async { self.failback.probe.as_mut().expect("guarded").await }, if self.failback.probe.is_some() => {
+                self.failback.probe = None;
                 self.on_probe(ok.unwrap_or(false));
                 Ok(None)
             }
@@ -611,88 +363,48 @@ impl Subscription {
     }
 
     fn start_probe(&mut self) {
-        self.next_probe = None;
+        self.failback.next_at = None;
         let url = self.primary.subscribe_url(None);
         let cfg = self.cfg.clone();
-        self.probe = Some(tokio::spawn(async move { probe(url, &cfg).await }));
+        self.failback.probe = Some(tokio::spawn(async move { probe(url, &cfg).await }));
     }
 
     fn on_probe(&mut self, ok: bool) {
-        self.next_probe = Some(Instant::now() + self.cfg.probe_interval);
-        self.probe_ok = if ok { self.probe_ok + 1 } else { 0 };
-        tracing::debug!(relay = "primary", ok, streak = self.probe_ok, "failback probe");
-        if self.active == RelayRole::Secondary && self.probe_ok >= self.cfg.probe_successes {
+        let f = &mut self.failback;
+        f.next_at = Some(Instant::now() + self.cfg.probe_interval);
+        f.streak = if ok { f.streak + 1 } else { 0 };
+        tracing::debug!(relay = "primary", ok, streak = f.streak, "failback probe");
+        if self.active == RelayRole::Secondary && f.streak >= self.cfg.probe_successes {
             self.request_switch(RelayRole::Primary, SwitchReason::Failback);
         }
     }
 
-    // One arm per WebSocket message kind, each applying the frame policies in order;
-    // split up, the policy for one frame would be spread over several functions.
-    #[allow(clippy::too_many_lines)]
+    /// One WebSocket message: the connection's end, a pong, or a binary frame to decode.
     fn on_message(
         &mut self,
         msg: Option<Result<WsMessage, tungstenite::Error>>,
     ) -> Result<Option<Item>, SubscribeError> {
-        let relay = self.active;
-        let msg = match msg {
-            None => {
-                self.fail(ConnError::ClosedByRelay);
+        let bytes = match msg {
+            Some(Ok(WsMessage::Binary(b))) => b,
+            Some(Err(tungstenite::Error::Capacity(_))) => return self.oversized(),
+            Some(Ok(WsMessage::Text(t))) => return self.bad_frame(None, DecodeError::TextMessage { len: t.len() }),
+            Some(Ok(WsMessage::Pong(_))) => {
+                if let Link::Up(c) = &mut self.link {
+                    c.pong_due = None;
+                }
                 return Ok(None);
             }
-            Some(Err(tungstenite::Error::Capacity(_))) => {
-                self.stats.bad_frames += 1;
-                let max = self.cfg.max_frame_bytes;
-                let after = self.cursor;
-                // Reconnecting from the same cursor would meet the same frame forever.
-                if self.cfg.bad_frame == BadFramePolicy::Fail || self.oversize_probe {
-                    let limit = self.read_limit();
-                    tracing::error!(relay = relay.as_str(), max = limit, cursor = ?after, "oversized frame: stopping before it");
-                    self.conn = None;
-                    self.awaiting_start = true;
-                    self.oversize_probe = false;
-                    return Err(SubscribeError::FrameTooLarge { relay, after, max: limit });
-                }
-                tracing::error!(relay = relay.as_str(), max, cursor = ?after, "oversized frame: reconnecting with a raised limit to learn its seq and skip it");
-                self.oversize_probe = true;
-                self.conn = None;
-                self.retry_at = None;
+            None | Some(Ok(WsMessage::Close(_))) => {
+                self.fail(ConnError::ClosedByRelay);
                 return Ok(None);
             }
             Some(Err(e)) => {
                 self.fail(ConnError::Io(describe(&e)));
                 return Ok(None);
             }
-            Some(Ok(m)) => m,
+            Some(Ok(WsMessage::Ping(_) | WsMessage::Frame(_))) => return Ok(None),
         };
-        let bytes = match msg {
-            WsMessage::Binary(b) => b,
-            WsMessage::Text(t) => {
-                return self.bad_frame(None, DecodeError::TextMessage { len: t.len() });
-            }
-            WsMessage::Pong(_) => {
-                if let Some(c) = self.conn.as_mut() {
-                    c.pong_due = None;
-                }
-                return Ok(None);
-            }
-            WsMessage::Close(_) => {
-                self.fail(ConnError::ClosedByRelay);
-                return Ok(None);
-            }
-            WsMessage::Ping(_) | WsMessage::Frame(_) => return Ok(None),
-        };
-        let healthy_after = self.cfg.healthy_after;
-        if let Some(c) = self.conn.as_mut() {
-            let now = Instant::now();
-            c.last_data = now;
-            c.pong_due = None;
-            c.frames += 1;
-            if !c.healthy && now.duration_since(c.since) >= healthy_after {
-                c.healthy = true;
-                self.backoff.reset();
-                self.failures = 0;
-            }
-        }
+        self.saw_data();
         let max = self.cfg.max_frame_bytes;
         if bytes.len() > max {
             // Only reachable while reading with the raised limit.
@@ -700,13 +412,53 @@ impl Subscription {
             return self.bad_frame(peek_seq(&bytes), DecodeError::TooLarge { size: bytes.len(), max });
         }
         // Decoded once: the event keeps this decoding beside its bytes.
-        let decoded = match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(Vec::from(bytes), |b| {
+        match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(Vec::from(bytes), |b| {
             frame::decode(b).map_err(|e| (e, peek_seq(b)))
         }) {
-            Ok(y) => y,
-            Err((error, seq)) => return self.bad_frame(seq, error),
-        };
-        let (seq, kind) = match decoded.get() {
+            Ok(decoded) => self.on_frame(decoded),
+            Err((error, seq)) => self.bad_frame(seq, error),
+        }
+    }
+
+    /// A data frame proves the connection alive; one that has lasted `healthy_after`
+    /// resets the backoff and the failure count.
+    fn saw_data(&mut self) {
+        let Link::Up(c) = &mut self.link else { return };
+        let now = Instant::now();
+        c.last_data = now;
+        c.pong_due = None;
+        if !c.healthy && now.duration_since(c.since) >= self.cfg.healthy_after {
+            c.healthy = true;
+            self.backoff.reset();
+            self.failures = 0;
+        }
+    }
+
+    /// A message over the socket's frame limit. Reconnecting from the same cursor would
+    /// meet it forever: stop before it, or (under `skip`) read it once with a raised
+    /// limit to learn its seq.
+    fn oversized(&mut self) -> Result<Option<Item>, SubscribeError> {
+        let relay = self.active;
+        self.stats.bad_frames += 1;
+        let after = self.cursor;
+        if self.cfg.bad_frame == BadFramePolicy::Fail || self.oversize_probe {
+            let limit = self.read_limit();
+            tracing::error!(relay = relay.as_str(), max = limit, cursor = ?after, "oversized frame: stopping before it");
+            self.link = Link::Stopped;
+            self.oversize_probe = false;
+            return Err(SubscribeError::FrameTooLarge { relay, after, max: limit });
+        }
+        let max = self.cfg.max_frame_bytes;
+        tracing::error!(relay = relay.as_str(), max, cursor = ?after, "oversized frame: reconnecting with a raised limit to learn its seq and skip it");
+        self.oversize_probe = true;
+        self.link = Link::Down { retry_at: None };
+        Ok(None)
+    }
+
+    /// A decoded frame: an error frame, an `#info`, or a message placed by its seq.
+    fn on_frame(&mut self, decoded: Yoke<Frame<'static>, Vec<u8>>) -> Result<Option<Item>, SubscribeError> {
+        let relay = self.active;
+        let (seq, known) = match decoded.get() {
             Frame::Error(e) => return self.on_error_frame(e.error, e.message),
             Frame::Message(Message::Info(i)) => {
                 let message = i.message.map(str::to_owned);
@@ -719,39 +471,46 @@ impl Subscription {
                 };
                 return Ok(Some(Item::Notice(notice)));
             }
-            Frame::Message(m @ Message::Unknown { .. }) => (m.seq(), None),
-            Frame::Message(m) => (m.seq(), Some(())),
+            Frame::Message(m) => (m.seq(), !matches!(m, Message::Unknown { .. })),
         };
         let Some(seq) = seq else {
             self.stats.unknown_types += 1;
             return Ok(None);
         };
         if let Some(last) = self.cursor.filter(|&l| seq <= l) {
-            if seq == last {
-                self.stats.duplicates += 1;
-            } else {
-                self.stats.backwards += 1;
-                if let Some(c) = self.conn.as_mut().filter(|c| !c.warned_backwards) {
-                    c.warned_backwards = true;
-                    tracing::warn!(
-                        relay = relay.as_str(),
-                        last,
-                        got = seq,
-                        "relay seq went backwards; dropping frames until it passes the last seq"
-                    );
-                    return Ok(Some(Item::Notice(Notice::SeqBackwards { relay, last, got: seq })));
-                }
-            }
-            return Ok(None);
+            return Ok(self.not_after(last, seq));
         }
         self.cursor = Some(seq);
-        if kind.is_none() {
+        if !known {
             self.stats.unknown_types += 1;
             tracing::debug!(relay = relay.as_str(), seq, "unknown message type skipped");
             return Ok(None);
         }
         self.stats.frames += 1;
         Ok(OwnedFrame::from_frame(decoded, seq, relay).map(Item::Frame))
+    }
+
+    /// A seq at or below the last delivered one: a duplicate, or the relay going
+    /// backwards (reported once per connection). Either way the frame is dropped.
+    fn not_after(&mut self, last: u64, seq: u64) -> Option<Item> {
+        if seq == last {
+            self.stats.duplicates += 1;
+            return None;
+        }
+        self.stats.backwards += 1;
+        let Link::Up(c) = &mut self.link else { return None };
+        if c.warned_backwards {
+            return None;
+        }
+        c.warned_backwards = true;
+        let relay = self.active;
+        tracing::warn!(
+            relay = relay.as_str(),
+            last,
+            got = seq,
+            "relay seq went backwards; dropping frames until it passes the last seq"
+        );
+        Some(Item::Notice(Notice::SeqBackwards { relay, last, got: seq }))
     }
 
     /// Applies the bad-frame policy. A frame at or below the last delivered seq is a
@@ -768,13 +527,12 @@ impl Subscription {
         }
         match self.cfg.bad_frame {
             BadFramePolicy::Fail => {
-                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, cursor = ?self.cursor, "undecodable frame: stopping before it (FIREKEEPER_BAD_FRAME=fail)");
-                self.conn = None;
-                self.awaiting_start = true;
+                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, cursor = ?self.cursor, "undecodable frame: stopping before it");
+                self.link = Link::Stopped;
                 Err(SubscribeError::BadFrame { relay, seq, error })
             }
             BadFramePolicy::Skip => {
-                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, "undecodable frame skipped: this event is lost (FIREKEEPER_BAD_FRAME=skip)");
+                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, "undecodable frame skipped under the skip policy: this event is lost");
                 self.cursor = Some(seq);
                 Ok(Some(Item::Notice(Notice::BadFrame { relay, seq: Some(seq), error })))
             }
@@ -789,13 +547,12 @@ impl Subscription {
             tracing::error!(relay = relay.as_str(), ?cursor, %message, "relay rejected the cursor as FutureCursor");
             match self.cfg.future_cursor {
                 FutureCursorPolicy::Fail => {
-                    self.conn = None;
-                    self.awaiting_start = true;
+                    self.link = Link::Stopped;
                     return Err(SubscribeError::FutureCursor { relay, cursor, message });
                 }
                 FutureCursorPolicy::GoLive => {
                     self.cursor = None;
-                    self.conn = None;
+                    self.link = Link::Down { retry_at: None };
                     return Ok(Some(Item::Notice(Notice::WentLive { relay, rejected: cursor })));
                 }
             }
@@ -831,13 +588,6 @@ async fn probe(url: url::Url, cfg: &ClientConfig) -> bool {
     };
     let _ = timeout(Duration::from_millis(500), ws.close(None)).await;
     ok
-}
-
-/// The seq of a frame that failed to decode, if its body got that far.
-fn peek_seq(bytes: &[u8]) -> Option<u64> {
-    let span = frame::seq_span(bytes)?;
-    let mut r = crate::cbor::Reader::new(&bytes[span]);
-    r.u64().ok()
 }
 
 /// Describes a WebSocket error without echoing URLs (which may carry credentials).

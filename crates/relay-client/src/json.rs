@@ -8,7 +8,14 @@ use crate::car::Car;
 use crate::cbor::{Item, MAX_DEPTH, Reader};
 use crate::cid::{Cid, base64_std};
 use crate::error::DecodeError;
-use crate::frame::{Frame, Message};
+use crate::frame::{Frame, Message, Record};
+
+impl Record<'_> {
+    /// Appends the record in the atproto JSON data model.
+    pub fn write_json(&self, out: &mut String) {
+        write_cbor_as_json(self.as_bytes(), out);
+    }
+}
 
 /// Appends `s` as a JSON string literal, escaped the way `JSON.stringify` does.
 pub fn write_str(s: &str, out: &mut String) {

@@ -8,6 +8,7 @@
 //! - [`frame`]: `subscribeRepos` frames decoded into borrowed structs.
 //! - [`json`]: records and frames in the atproto JSON data model.
 //! - [`capture`]: the capture file format (length-prefixed frames).
+//! - [`config`] and [`item`]: what a subscription is configured with and what it yields.
 //! - [`client`]: the WebSocket connection loop with reconnect, backoff, stall detection
 //!   and primary/secondary failover.
 //!
@@ -20,13 +21,17 @@ pub mod car;
 pub mod cbor;
 pub mod cid;
 pub mod client;
+pub mod config;
 pub mod error;
 pub mod frame;
+pub mod item;
 pub mod json;
 pub mod probe;
 pub mod relay_url;
 
-pub use client::{ClientConfig, Item, Notice, OwnedFrame, RelayRole, Subscription};
+pub use client::Subscription;
+pub use config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, RelayRole};
 pub use error::{CborError, CidError, ConnError, DecodeError, SubscribeError, UrlError};
 pub use frame::{Frame, Kind, MAX_SEQ, Message, decode};
+pub use item::{Item, Notice, OwnedFrame, Stats, SwitchReason};
 pub use relay_url::RelayUrl;
