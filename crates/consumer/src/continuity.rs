@@ -210,13 +210,7 @@ mod tests {
     use super::*;
 
     fn messages(frames: &[relay_client::capture::Bytes]) -> Vec<Message<'_>> {
-        frames
-            .iter()
-            .filter_map(|f| match relay_client::decode(f).ok()? {
-                relay_client::Frame::Message(m) => Some(m),
-                relay_client::Frame::Error(_) => None,
-            })
-            .collect()
+        frames.iter().filter_map(|f| relay_client::decode(f).ok()?.into_message()).collect()
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use checkpoint::CursorStore as _;
 use consumer::{BatchCtx, Builder, Consumer, Event, GapPolicy, Handler, HandlerError, Options, async_trait};
-use relay_client::{ClientConfig, Frame, Message, RelayRole, RelayUrl};
+use relay_client::{ClientConfig, Message, RelayRole, RelayUrl};
 use relay_sim::{RelaySim, SimConfig};
 use testkit::{WAIT, eventually};
 
@@ -32,13 +32,7 @@ fn key(m: &Message<'_>) -> Option<Key> {
 }
 
 fn keys(frames: &[bytes::Bytes]) -> Vec<Key> {
-    frames
-        .iter()
-        .filter_map(|f| match relay_client::decode(f).ok()? {
-            Frame::Message(m) => key(&m),
-            Frame::Error(_) => None,
-        })
-        .collect()
+    frames.iter().filter_map(|f| key(relay_client::decode(f).ok()?.message()?)).collect()
 }
 
 /// Records every event's key, shared by all replicas of a test.

@@ -1,0 +1,175 @@
+//! Assembles a [`Consumer`]: relays, lease backend, cursor store and handler, checked
+//! once before anything runs.
+
+use std::sync::Arc;
+
+use checkpoint::CursorStore;
+use futures_util::future::BoxFuture;
+use lease::{Backend, BackendError, BootClock, Clock, LeaseConfig, LeaseEvent, LeaseHandle};
+use relay_client::{ClientConfig, RelayUrl};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::error::Error;
+use crate::handler::Handler;
+use crate::options::Options;
+use crate::run::Consumer;
+use crate::status::StatusHandle;
+
+/// What a consumer was built with.
+pub(crate) struct Settings {
+    pub(crate) primary: RelayUrl,
+    pub(crate) secondary: Option<RelayUrl>,
+    pub(crate) client: ClientConfig,
+    pub(crate) options: Options,
+}
+
+/// Starts a lease supervisor on some backend (the backend trait is generic, the
+/// consumer is not).
+pub(crate) trait LeaseFactory: Send + Sync {
+    fn spawn(
+        &self,
+        clock: Arc<dyn Clock>,
+        instance: &str,
+    ) -> Result<(LeaseHandle, UnboundedReceiver<LeaseEvent>), lease::ConfigError>;
+    fn seed_fence(&self, min: u64) -> BoxFuture<'_, Result<u64, BackendError>>;
+}
+
+struct LeaseParts<B> {
+    backend: Arc<B>,
+    cfg: LeaseConfig,
+}
+
+impl<B: Backend> LeaseFactory for LeaseParts<B> {
+    fn spawn(
+        &self,
+        clock: Arc<dyn Clock>,
+        instance: &str,
+    ) -> Result<(LeaseHandle, UnboundedReceiver<LeaseEvent>), lease::ConfigError> {
+        lease::spawn_as(self.backend.clone(), self.cfg.clone(), clock, instance)
+    }
+
+    fn seed_fence(&self, min: u64) -> BoxFuture<'_, Result<u64, BackendError>> {
+        Box::pin(self.backend.seed_fence(min))
+    }
+}
+
+/// Assembles a [`Consumer`]: relays, lease backend, cursor store and handler.
+#[must_use]
+pub struct Builder {
+    primary: RelayUrl,
+    secondary: Option<RelayUrl>,
+    client: ClientConfig,
+    options: Options,
+    lease: Option<Box<dyn LeaseFactory>>,
+    store: Option<Arc<dyn CursorStore>>,
+    handler: Option<Arc<dyn Handler>>,
+    instance: Option<String>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Builder {
+    /// A consumer of `primary`, with default options and client settings.
+    pub fn new(primary: RelayUrl) -> Self {
+        Self {
+            primary,
+            secondary: None,
+            client: ClientConfig::default(),
+            options: Options::default(),
+            lease: None,
+            store: None,
+            handler: None,
+            instance: None,
+            clock: Arc::new(BootClock),
+        }
+    }
+
+    /// The relay to fail over to (it numbers its own seqs, and has its own cursor).
+    pub fn secondary(mut self, relay: impl Into<Option<RelayUrl>>) -> Self {
+        self.secondary = relay.into();
+        self
+    }
+
+    /// Connection settings: timeouts, backoff, failover, frame policies.
+    pub fn client(mut self, client: ClientConfig) -> Self {
+        self.client = client;
+        self
+    }
+
+    /// Work-loop tuning.
+    pub fn options(mut self, options: Options) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The lease backend and its timings (required).
+    pub fn lease<B: Backend>(mut self, backend: Arc<B>, cfg: LeaseConfig) -> Self {
+        self.lease = Some(Box::new(LeaseParts { backend, cfg }));
+        self
+    }
+
+    /// Where cursors are kept (required).
+    pub fn store(self, store: impl CursorStore) -> Self {
+        self.shared_store(Arc::new(store))
+    }
+
+    /// [`Builder::store`] for a store chosen at run time.
+    pub fn shared_store(mut self, store: Arc<dyn CursorStore>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Where events go (required).
+    pub fn handler(self, handler: impl Handler) -> Self {
+        self.shared_handler(Arc::new(handler))
+    }
+
+    /// [`Builder::handler`] for a handler chosen at run time or shared with the caller.
+    pub fn shared_handler(mut self, handler: Arc<dyn Handler>) -> Self {
+        self.handler = Some(handler);
+        self
+    }
+
+    /// This process's instance id in the lease (a stable pod name); random by default.
+    pub fn instance_id(mut self, id: impl Into<String>) -> Self {
+        self.instance = Some(id.into());
+        self
+    }
+
+    /// The deadline clock (`CLOCK_BOOTTIME` by default, which counts suspend).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Checks the parts and returns a consumer ready to run.
+    pub fn build(self) -> Result<Consumer, Error> {
+        let missing = |what: &str| Error::Config(format!("no {what} given to the builder"));
+        let lease = self.lease.ok_or_else(|| missing("lease backend"))?;
+        let store = self.store.ok_or_else(|| missing("cursor store"))?;
+        let handler = self.handler.ok_or_else(|| missing("handler"))?;
+        if self.options.lanes == 0 || self.options.queue_depth == 0 {
+            return Err(Error::Config("lanes and queue_depth must be at least 1".into()));
+        }
+        if self.secondary.as_ref().is_some_and(|s| s.fingerprint() == self.primary.fingerprint()) {
+            return Err(Error::Config("the secondary relay is the same relay as the primary".into()));
+        }
+        let instance = self.instance.unwrap_or_else(|| format!("fk-{}", uuid::Uuid::new_v4().simple()));
+        if instance.contains(':') || instance.is_empty() || instance.len() > 128 {
+            return Err(Error::Config("the instance id must be 1 to 128 bytes without ':'".into()));
+        }
+        Ok(Consumer {
+            settings: Settings {
+                primary: self.primary,
+                secondary: self.secondary,
+                client: self.client,
+                options: self.options,
+            },
+            lease,
+            store,
+            handler,
+            instance,
+            clock: self.clock,
+            status: StatusHandle::default(),
+        })
+    }
+}

@@ -1,0 +1,182 @@
+//! A built consumer's run: contend for the lease, lead a term when elected, stand by
+//! when it ends, and stop on shutdown or a fatal condition.
+
+use std::pin::pin;
+use std::sync::Arc;
+
+use checkpoint::CursorStore;
+use lease::{Clock, LeaseEvent};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_util::sync::CancellationToken;
+
+use crate::builder::{LeaseFactory, Settings};
+use crate::error::Error;
+use crate::handler::{Handler, Render};
+use crate::metrics;
+use crate::pipeline::Shape;
+use crate::status::{Role, StatusHandle};
+use crate::term::{self, Ctx, Remembered, TermEnd};
+use crate::verify;
+
+/// A configured consumer; [`Consumer::run`] contends for the lease and leads when elected.
+pub struct Consumer {
+    pub(crate) settings: Settings,
+    pub(crate) lease: Box<dyn LeaseFactory>,
+    pub(crate) store: Arc<dyn CursorStore>,
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) instance: String,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) status: StatusHandle,
+}
+
+impl Consumer {
+    /// The status this consumer updates while it runs (for `/status`, readiness, logs).
+    #[must_use]
+    pub fn status(&self) -> StatusHandle {
+        self.status.clone()
+    }
+
+    /// This process's instance id.
+    #[must_use]
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// Runs until `shutdown` completes (then drains, commits and releases the lease), a
+    /// fatal condition, or the lease supervisor ending. Like mini-redis's `server::run`,
+    /// the caller decides what shutdown means (a signal, a test's oneshot).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+        let Self { settings, lease, store, handler, instance, clock, status } = self;
+        if let Some(seen) = store.fence_floor().await.map_err(|e| Error::SeedFence(e.to_string()))? {
+            // Tokens must stay above what the cursor store has seen, even if the lease
+            // store lost its counter.
+            let fence = lease.seed_fence(seen).await.map_err(|e| Error::SeedFence(e.to_string()))?;
+            tracing::info!(seen, fence, store = store.name(), "lease fence seeded from the cursor store");
+        }
+        let (handle, events) = lease.spawn(clock, &instance)?;
+        status.update(|s| {
+            s.role = Role::Standby;
+            s.instance.clone_from(&instance);
+        });
+        status.set_ready();
+        tracing::info!(instance = %instance, "contending for the lease");
+        // Shadow every replica's committed cursors, so that if the store loses its data
+        // this process, once leading, resumes where the last leader committed.
+        let remembered: Arc<Remembered> = Arc::default();
+        let follower = {
+            let (store, m) = (store.clone(), remembered.clone());
+            tokio::spawn(async move {
+                store
+                    .follow_commits(Box::new(move |fp, cursor, reset| {
+                        if let Ok(mut m) = m.lock() {
+                            let e = m.entry(fp.to_owned()).or_insert(cursor);
+                            // A fenced rewind replaces; anything else only moves forward.
+                            *e = if reset { cursor } else { (*e).max(cursor) };
+                        }
+                    }))
+                    .await;
+            })
+        };
+        let stop = CancellationToken::new();
+        let render = handler.wants_json().then(|| {
+            Arc::new(Render {
+                verify_blocks: settings.options.verify_blocks,
+                filter: settings.options.collections.clone(),
+            })
+        });
+        let lanes = if handler.commits_cursor() { 1 } else { settings.options.lanes };
+        let verifier = verify::Verifier::new(&settings.options.verify, lanes, status.desync())
+            .map_err(|e| Error::Config(format!("verification: {e}")))?
+            .map(Arc::new);
+        let shape =
+            Shape { lanes: settings.options.lanes, queue_depth: settings.options.queue_depth, render, verifier };
+        let cx = Ctx {
+            settings: &settings,
+            shape,
+            store: &*store,
+            handler,
+            lease: &handle,
+            shutdown: &stop,
+            status: &status,
+            remembered: &remembered,
+        };
+        let r = {
+            let mut lead = pin!(lead_loop(&cx, events));
+            let mut shutdown = pin!(shutdown);
+            tokio::select! {
+                r = &mut lead => r,
+                () = &mut shutdown => {
+                    stop.cancel();
+                    lead.await
+                }
+            }
+        };
+        drop(cx);
+        follower.abort();
+        status.update(|s| s.role = Role::Stopped);
+        handle.join().await;
+        r
+    }
+}
+
+async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> Result<(), Error> {
+    loop {
+        let ev = tokio::select! {
+            ev = events.recv() => ev,
+            () = cx.shutdown.cancelled() => {
+                cx.lease.shutdown().await;
+                return Ok(());
+            }
+        };
+        match ev {
+            Some(LeaseEvent::Elected(term)) => {
+                let token = term.token();
+                let end = term::run_term(cx, term).await;
+                ::metrics::gauge!(metrics::LEADER).set(0.0);
+                cx.status.update(|s| {
+                    s.role = Role::Standby;
+                    s.token = None;
+                    s.relay = None;
+                    s.connected = false;
+                });
+                match end {
+                    TermEnd::Lost => {
+                        // If the work side ended the term (a store refused the token), the
+                        // supervisor must stop renewing it too.
+                        cx.lease.resign().await;
+                        tracing::warn!(token, "term over; standing by");
+                    }
+                    TermEnd::Shutdown(Ok(())) => {
+                        tracing::info!(token, "drained, committed and released");
+                        return Ok(());
+                    }
+                    TermEnd::Shutdown(Err(e)) => return Err(Error::StepDown(e)),
+                    TermEnd::Fatal(e) => {
+                        cx.lease.shutdown().await;
+                        return Err(Error::Fatal(e));
+                    }
+                }
+            }
+            Some(LeaseEvent::Lost { token, reason }) => {
+                tracing::warn!(token, reason = reason.label(), "leadership lost");
+            }
+            Some(LeaseEvent::Released { token }) => tracing::info!(token, "lease released"),
+            None => return Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// An embedding service spawns `run` on its runtime: the future must be `Send`.
+    /// (An `AsyncFnMut` in the store retry loop once made it not, for every caller.)
+    #[test]
+    fn run_is_spawnable() {
+        fn assert_send<T: Send>(_: &T) {}
+        fn check(c: super::Consumer) {
+            let fut = c.run(std::future::pending::<()>());
+            assert_send(&fut);
+        }
+        let _ = check;
+    }
+}

@@ -1,0 +1,75 @@
+//! The ends of a term that keep what was delivered: settle (drain and commit before a
+//! switch or a fatal stop), stop at an invalid event, and the voluntary step-down.
+
+use std::time::Duration;
+
+use super::commit::{Commit, commit};
+use super::{Leader, Step, TermEnd, guarded};
+use crate::error::Fatal;
+use crate::status::Role;
+
+impl Leader<'_, '_> {
+    /// Drains what was delivered and commits it (final). `Err` when the term ended or
+    /// shutdown came first (the step-down path drains again, within its budget).
+    pub(super) async fn settle(&mut self) -> Result<(), Step> {
+        match guarded(self.cx, &self.term, self.p.drain()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(Step::End(TermEnd::Lost)),
+            Err(i) => return Err(i.into()),
+        }
+        if commit(self.cx, &self.term, &mut self.p, true).await == Commit::Fenced {
+            return Err(Step::End(TermEnd::Lost));
+        }
+        Ok(())
+    }
+
+    /// An event failed verification under the `fail` policy: take in what the other
+    /// lanes finish, commit up to just before it, and end the term with an
+    /// operator-facing error.
+    pub(super) async fn stop_at_invalid(&mut self, (seq, invalid): (u64, crate::verify::Invalid)) -> Step {
+        let e = Fatal::Invalid { seq, invalid: Box::new(invalid) };
+        tracing::error!(error = %e, "stopping: this needs an operator");
+        self.sub.close().await;
+        if let Err(i) = guarded(self.cx, &self.term, self.p.wind_down()).await {
+            return i.into();
+        }
+        if commit(self.cx, &self.term, &mut self.p, true).await == Commit::Fenced {
+            return Step::End(TermEnd::Lost);
+        }
+        Step::End(TermEnd::Fatal(e))
+    }
+
+    /// Settles what was delivered, then ends the term with an operator-facing error.
+    pub(super) async fn fatal(&mut self, e: Fatal) -> Step {
+        tracing::error!(error = %e, "stopping: this needs an operator");
+        match self.settle().await {
+            Ok(()) | Err(Step::End(_) | Step::Next) => Step::End(TermEnd::Fatal(e)),
+            Err(Step::Shutdown) => Step::Shutdown,
+        }
+    }
+
+    /// Voluntary step-down: keep renewing while the lanes drain, commit, then release.
+    pub(super) async fn step_down(mut self) -> TermEnd {
+        let cx = self.cx;
+        cx.status.update(|s| s.role = Role::SteppingDown);
+        tracing::info!(token = self.term.token(), in_flight = self.p.watermark.in_flight(), "draining before release");
+        self.sub.close().await;
+        let Leader { term, mut p, .. } = self;
+        let drain = async {
+            p.drain().await.map_err(|e| e.to_string())?;
+            // A store that is briefly away does not make the step-down unclean: retry the
+            // final commit while the term lasts (the drain budget bounds it too).
+            loop {
+                if commit(cx, &term, &mut p, true).await == Commit::Fenced {
+                    return Err("final commit fenced or the term ended".to_owned());
+                }
+                if p.committed == p.watermark.committable() {
+                    return Ok::<(), String>(());
+                }
+                tracing::warn!(cursor = ?p.watermark.committable(), retry_ms = 100, "final commit did not land yet; retrying while the term lasts");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        TermEnd::Shutdown(cx.lease.step_down_with(drain, cx.settings.options.drain_budget).await)
+    }
+}

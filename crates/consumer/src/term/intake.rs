@@ -1,0 +1,179 @@
+//! Intake: each item the subscription yields becomes a lane's event, a passed seq, a
+//! notice counted, a relay switch, or the end of the term.
+
+use relay_client::probe::time_ms;
+use relay_client::{Item, Message, Notice, OwnedFrame, SubscribeError};
+use tokio::sync::mpsc;
+
+use super::{Ctx, Leader, Phase, Step, TermEnd, guarded};
+use crate::chain::{ChainBreak, ChainBreaks, Chains};
+use crate::error::Fatal;
+use crate::handler::Event;
+use crate::metrics as m;
+
+/// This process's clock, Unix ms.
+fn now_ms() -> i64 {
+    i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX / 4)
+}
+
+/// True when the repo's chain proves `m` was handed over: a `#commit` whose rev is not
+/// newer than the last one seen for its repo.
+fn handed_over(chains: &Chains, m: &Message<'_>) -> bool {
+    matches!(m, Message::Commit(c) if chains.covers(c.repo, c.rev))
+}
+
+/// Counts what the client reports besides frames.
+fn on_notice(cx: &Ctx<'_>, n: &Notice) {
+    match n {
+        Notice::Connected { relay, .. } => {
+            cx.status.update(|s| s.connected = true);
+            tracing::info!(relay = relay.as_str(), "relay connected");
+        }
+        Notice::Disconnected { relay, error, .. } => {
+            cx.status.update(|s| s.connected = false);
+            metrics::counter!(m::RECONNECTS, "relay" => relay.as_str(), "reason" => error.reason()).increment(1);
+            if let relay_client::ConnError::ErrorFrame { error, .. } = error {
+                metrics::counter!(m::ERROR_FRAMES, "error" => error.clone()).increment(1);
+            }
+        }
+        Notice::BadFrame { error, seq, .. } => {
+            let policy = if seq.is_some() { "skipped" } else { "unplaced" };
+            metrics::counter!(m::BAD_FRAMES, "reason" => error.reason(), "action" => policy).increment(1);
+        }
+        Notice::SeqBackwards { .. } => metrics::counter!(m::SEQ_BACKWARDS).increment(1),
+        Notice::OutdatedCursor { .. } => metrics::counter!(m::OUTDATED_CURSOR).increment(1),
+        Notice::Info { .. } | Notice::WentLive { .. } => {}
+    }
+}
+
+impl Leader<'_, '_> {
+    /// One item from the subscription.
+    pub(super) async fn on_item(&mut self, item: Result<relay_client::Item, SubscribeError>) -> Step {
+        match item {
+            Ok(Item::Frame(f)) => self.on_frame(f).await,
+            Ok(Item::Notice(n)) => {
+                on_notice(self.cx, &n);
+                match n {
+                    Notice::WentLive { rejected, .. } => self.went_live(rejected).await,
+                    _ => Step::Next,
+                }
+            }
+            Ok(Item::SwitchRelay { from, to, reason }) => self.on_switch(from, to, reason).await,
+            Err(e @ SubscribeError::FutureCursor { .. }) => self.fatal(Fatal::FutureCursor(e)).await,
+            Err(e @ (SubscribeError::BadFrame { .. } | SubscribeError::FrameTooLarge { .. })) => {
+                self.fatal(Fatal::BadFrame(e)).await
+            }
+            Err(SubscribeError::Closed) => self.fatal(Fatal::Closed).await,
+        }
+    }
+
+    /// Hands one frame to the pipeline: waits for room in its lane (and the window, which
+    /// the caller checked), never skips a refused delivery.
+    async fn on_frame(&mut self, f: OwnedFrame) -> Step {
+        let seq = f.seq;
+        self.clear_refusal();
+        if let Phase::Placing(why) = self.phase {
+            self.phase = Phase::Streaming;
+            if let Err(s) = self.place(why, seq).await {
+                return s;
+            }
+        }
+        let m = f.message();
+        if self.is_handed_over(seq, m) {
+            metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
+            return self.pass(seq);
+        }
+        let emit = self.chain_check(seq, m);
+        // A filtered-out commit that reveals a break still goes out, to carry the break.
+        // Under verification it goes to its lane hidden: the repo's chain needs every
+        // commit, and an invalid one is handed over as `#invalid` whatever the filter.
+        let hidden = emit.is_none() && self.cx.settings.options.collections.as_ref().is_some_and(|c| c.drops(m));
+        if hidden && self.cx.shape.verifier.is_none() {
+            return self.pass(seq);
+        }
+        if !hidden {
+            metrics::counter!(m::EVENTS, "type" => m.kind().as_str()).increment(1);
+        }
+        if let Some(t) = m.time() {
+            self.last_time.clear();
+            self.last_time.push_str(t);
+        }
+        let lane = self.p.lane_of(m.did());
+        // Fast path: a lane with room needs no wait (and no waiters registered on the
+        // term and shutdown tokens per event); a full one is waited on, guarded.
+        let permit = match self.p.lanes[lane].try_reserve() {
+            Ok(permit) => permit,
+            Err(mpsc::error::TrySendError::Closed(())) => return Step::End(TermEnd::Lost),
+            Err(mpsc::error::TrySendError::Full(())) => {
+                match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
+                    Ok(Ok(permit)) => permit,
+                    Ok(Err(_)) => return Step::End(TermEnd::Lost),
+                    Err(i) => return i.into(),
+                }
+            }
+        };
+        if let Err(error) = self.p.watermark.deliver(seq) {
+            // Intake only reads while the window has room, and the client delivers in
+            // increasing seq order: this is a bug, and skipping would lose the event.
+            return Fatal::Watermark { seq, error }.into();
+        }
+        self.cx.status.add_events(1);
+        let mut e = Event::new(f);
+        e.hidden = hidden;
+        if let Some(b) = emit {
+            e.set_chain_break(b);
+        }
+        permit.send(e);
+        Step::Next
+    }
+
+    /// Records the event's time (the position by time) and, with a secondary relay,
+    /// what was handed over; true when the switch overlap proves `m` was handed over
+    /// already (seen recently, or not newer than its repo's chain).
+    fn is_handed_over(&mut self, seq: u64, m: &Message<'_>) -> bool {
+        let time = if self.recent.is_some() || seq.is_multiple_of(64) { m.time().and_then(time_ms) } else { None };
+        // A PDS clock ahead of this one's (plus the allowance) is not believed.
+        let time = time.map(|t| t.min(now_ms().saturating_add(self.cx.skew_ms())));
+        if let Some(t) = time {
+            self.p.times.push(seq, t);
+        }
+        let Some(recent) = &mut self.recent else { return false };
+        if self.overlap_until.is_some() && (recent.seen(m) || self.chains.as_ref().is_some_and(|c| handed_over(c, m))) {
+            return true;
+        }
+        recent.record(m);
+        false
+    }
+
+    /// The chain check: every commit counts, whether the filter keeps it or not. Returns
+    /// the break to carry on the event when breaks are emitted.
+    fn chain_check(&mut self, seq: u64, m: &Message<'_>) -> Option<ChainBreak> {
+        let b = self.chains.as_mut().and_then(|c| match m {
+            Message::Commit(cm) => c.commit(cm.repo, cm.rev, cm.since),
+            Message::Sync(sy) => {
+                c.sync(sy.did, sy.rev);
+                None
+            }
+            _ => None,
+        })?;
+        metrics::counter!(m::CHAIN_BREAKS).increment(1);
+        tracing::warn!(
+            seq,
+            relay = self.role.as_str(),
+            repo = %b.repo,
+            last_rev = %b.last_rev,
+            since = %b.since,
+            rev = %b.rev,
+            "repo chain broken: the relay skipped a commit of this repo; resync it"
+        );
+        (self.cx.settings.options.chain_breaks == ChainBreaks::Emit).then_some(b)
+    }
+
+    /// Steps the window over a seq that is not handed to a lane.
+    pub(super) fn pass(&mut self, seq: u64) -> Step {
+        match self.p.pass(seq) {
+            Ok(()) => Step::Next,
+            Err(error) => Fatal::Watermark { seq, error }.into(),
+        }
+    }
+}

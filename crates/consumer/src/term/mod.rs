@@ -1,0 +1,278 @@
+//! The leader's work for one term: read the cursor, subscribe, hand events to the lanes,
+//! commit the watermark fenced, switch relays, and drain on step-down.
+//!
+//! A term goes through these steps (each in its own file):
+//!
+//! ```text
+//!  elected ──▶ start: on_elected, active relay, resume point ──┬─▶ Placing ─┐ first seq:
+//!                                                               │           │ fenced rewind
+//!                                                               └─▶ Streaming ◀┘
+//!   intake: frame → lane (guarded wait for room), commit tick,      │   ▲
+//!   lane results → watermark                                        │   │ first seq
+//!                                                                   ▼   │
+//!   switch: settle, commit, probe the target ── refused ──▶ Refused ────┘
+//!           └── ok: fresh pipeline on the target ──▶ Placing / Streaming
+//!                                                           (+ an overlap window)
+//!   relay went live (FutureCursor=live): settle, fresh pipeline ──▶ Placing
+//!
+//!  any phase ── term lost / fenced ──────────────────────▶ TermEnd::Lost
+//!            ── shutdown ──▶ drain: renew while lanes finish, final commit, release
+//!            ── fatal (bad frame, invalid under `fail`) ──▶ settle, commit ──▶ TermEnd::Fatal
+//! ```
+//!
+//! The overlap window after a switch is not a phase: it outlives a refused switch and a
+//! relay going live, since both replay events that may have been handed over already.
+
+mod commit;
+mod drain;
+mod intake;
+mod start;
+mod switch;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use checkpoint::{CursorStore, StoreError};
+use lease::{LeaseHandle, StepDownError, Term};
+use relay_client::backoff::{Backoff, BackoffConfig};
+use relay_client::{RelayRole, RelayUrl, Subscription};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::builder::Settings;
+use crate::chain::Chains;
+use crate::continuity::Recent;
+use crate::error::Fatal;
+use crate::handler::{BatchCtx, Handler};
+use crate::pipeline::{LaneStop, Pipeline, Shape};
+use crate::status::StatusHandle;
+
+/// Committed cursors per relay fingerprint, as seen by this process (its own commits and,
+/// through the store's feed, every replica's).
+pub(crate) type Remembered = Mutex<HashMap<String, u64>>;
+
+/// How a term ended.
+#[derive(Debug)]
+pub(crate) enum TermEnd {
+    /// Lost (expired, taken, fenced): contend again.
+    Lost,
+    /// Shutdown requested; the step-down result.
+    Shutdown(Result<(), StepDownError>),
+    /// A condition an operator must fix.
+    Fatal(Fatal),
+}
+
+/// Everything a term needs.
+pub(crate) struct Ctx<'a> {
+    pub(crate) settings: &'a Settings,
+    pub(crate) shape: Shape,
+    pub(crate) store: &'a dyn CursorStore,
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) lease: &'a LeaseHandle,
+    pub(crate) shutdown: &'a CancellationToken,
+    pub(crate) status: &'a StatusHandle,
+    pub(crate) remembered: &'a Remembered,
+}
+
+impl Ctx<'_> {
+    fn url(&self, role: RelayRole) -> &RelayUrl {
+        match role {
+            RelayRole::Primary => &self.settings.primary,
+            RelayRole::Secondary => self.settings.secondary.as_ref().unwrap_or(&self.settings.primary),
+        }
+    }
+
+    fn batch_ctx(&self, term: &Term, role: RelayRole) -> BatchCtx {
+        BatchCtx {
+            token: term.token(),
+            relay: role,
+            fingerprint: self.url(role).fingerprint().to_owned(),
+            cancel: term.cancellation(),
+            term: term.clone(),
+        }
+    }
+
+    fn remember(&self, fp: &str, cursor: u64, replace: bool) {
+        if let Ok(mut m) = self.remembered.lock() {
+            let e = m.entry(fp.to_owned()).or_insert(cursor);
+            *e = if replace { cursor } else { (*e).max(cursor) };
+        }
+    }
+
+    /// The switch overlap in ms.
+    fn overlap_ms(&self) -> i64 {
+        i64::try_from(self.settings.options.switch_overlap.as_millis()).unwrap_or(i64::MAX / 4)
+    }
+
+    /// The clock-skew allowance in ms.
+    fn skew_ms(&self) -> i64 {
+        i64::try_from(self.settings.options.switch_skew.as_millis()).unwrap_or(i64::MAX / 4)
+    }
+}
+
+/// Why a wait inside a term ended early.
+enum Interrupted {
+    /// The term ended (lost, fenced, expired).
+    TermEnded,
+    /// Shutdown requested: step down.
+    Shutdown,
+}
+
+/// Runs `f` until it finishes, the term ends, or shutdown is requested: no await in the
+/// work loop may outlive either.
+async fn guarded<T>(cx: &Ctx<'_>, term: &Term, f: impl Future<Output = T>) -> Result<T, Interrupted> {
+    tokio::select! {
+        biased;
+        () = term.ended() => Err(Interrupted::TermEnded),
+        () = cx.shutdown.cancelled() => Err(Interrupted::Shutdown),
+        v = f => Ok(v),
+    }
+}
+
+/// Store retries: 200 ms doubling to 5 s, jittered.
+const STORE_RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(200), max: Duration::from_secs(5) };
+
+/// Retries `f` while the store is unavailable, logging what it waits for and the next
+/// delay; ends early when the term ends or shutdown is requested.
+///
+/// `f` is a plain closure returning a future (not an `AsyncFnMut`): the future of an
+/// async closure cannot be proven `Send`, and `Consumer::run` must be spawnable.
+async fn while_active<T, F: Future<Output = Result<T, StoreError>>>(
+    cx: &Ctx<'_>,
+    term: &Term,
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> Result<Result<T, StoreError>, Interrupted> {
+    let mut backoff = Backoff::new(STORE_RETRY);
+    loop {
+        if !term.is_active() {
+            return Err(Interrupted::TermEnded);
+        }
+        match guarded(cx, term, f()).await? {
+            Err(StoreError::Unavailable(e)) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, what, retry_ms = delay.as_millis() as u64, "cursor store unavailable; not subscribing until it answers");
+                guarded(cx, term, tokio::time::sleep(delay)).await?;
+            }
+            other => return Ok(other),
+        }
+    }
+}
+
+/// What one step of the work loop decided.
+enum Step {
+    /// Go on reading.
+    Next,
+    /// Shutdown requested: step down.
+    Shutdown,
+    /// The term is over.
+    End(TermEnd),
+}
+
+impl From<Interrupted> for Step {
+    fn from(i: Interrupted) -> Self {
+        match i {
+            Interrupted::TermEnded => Self::End(TermEnd::Lost),
+            Interrupted::Shutdown => Self::Shutdown,
+        }
+    }
+}
+
+impl From<Fatal> for Step {
+    fn from(f: Fatal) -> Self {
+        Self::End(TermEnd::Fatal(f))
+    }
+}
+
+/// Why the first seq of a stream sets the stored cursor.
+#[derive(Debug, Clone, Copy)]
+enum Rewind {
+    /// Started from the live tail with no stored cursor: recording where this deployment
+    /// started lets a successor resume there instead of at a later live tail.
+    FreshStart,
+    /// The relay went live after rejecting this cursor as `FutureCursor`: an accepted gap.
+    WentLive(Option<u64>),
+}
+
+/// Where the leader stands on its relay's stream (the diagram in the module doc).
+#[derive(Debug)]
+enum Phase {
+    /// Subscribed with no known position: the first seq rewinds the stored cursor,
+    /// fenced, to just before it.
+    Placing(Rewind),
+    /// Reading from a known position.
+    Streaming,
+    /// A relay switch was refused (see [`switch::Refusal`]): staying on the relay it had
+    /// and retrying it until events flow again. `placing` is a placement still owed when
+    /// the refusal came before the stream's first frame.
+    Refused { refused: switch::Refused, placing: Option<Rewind> },
+}
+
+/// One term's moving parts.
+struct Leader<'a, 'c> {
+    cx: &'a Ctx<'c>,
+    term: Term,
+    role: RelayRole,
+    sub: Subscription,
+    p: Pipeline,
+    phase: Phase,
+    /// After a switch, until the position (the robust time at the committed cursor, not
+    /// any one event's clock) passes this relay time: drop what `recent` or the repo's
+    /// chain proves was handed over. Never anything by its time alone (a PDS lagging
+    /// behind sends new events with old times).
+    overlap_until: Option<i64>,
+    /// The time of the newest delivered event (lag is computed from it at each tick).
+    last_time: String,
+    /// What was handed over recently (kept only with a secondary relay configured).
+    recent: Option<Recent>,
+    /// Each recent repo's last rev, for the chain check (`None` when it is off).
+    chains: Option<Chains>,
+}
+
+impl Leader<'_, '_> {
+    /// Intake until the term ends or shutdown is requested.
+    async fn run(&mut self) -> Option<TermEnd> {
+        let mut tick = tokio::time::interval(self.cx.settings.options.commit_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let cancel = self.term.cancellation();
+        loop {
+            let has_room = self.p.watermark.has_room();
+            let step = tokio::select! {
+                biased;
+                () = cancel.cancelled() => Step::End(TermEnd::Lost),
+                () = self.cx.shutdown.cancelled() => Step::Shutdown,
+                // Before the done results: a busy stream always has one ready, and a
+                // biased select would never reach the commit tick behind them.
+                _ = tick.tick() => self.tick().await,
+                Some(r) = self.p.done.recv() => match self.p.on_done(r) {
+                    Ok(()) => Step::Next,
+                    Err(LaneStop::Invalid(stop)) => self.stop_at_invalid(*stop).await,
+                    Err(LaneStop::Handler(_)) => Step::End(TermEnd::Lost),
+                },
+                item = self.sub.next(), if has_room => self.on_item(item).await,
+            };
+            match step {
+                Step::Next => {}
+                Step::Shutdown => return None,
+                Step::End(end) => {
+                    if matches!(end, TermEnd::Lost) {
+                        tracing::warn!(token = self.term.token(), "term ended: intake stopped");
+                    }
+                    return Some(end);
+                }
+            }
+        }
+    }
+}
+
+/// Runs one term until it is lost, shut down, or hits a fatal condition.
+pub(crate) async fn run_term(cx: &Ctx<'_>, term: Term) -> TermEnd {
+    let span = tracing::info_span!("term", token = term.token(), epoch = term.epoch());
+    cx.status.set_term(Some(term.clone()));
+    // Boxed once per term: the term's state machine is large, the caller's future stays small.
+    let end = Box::pin(start::run(cx, term).instrument(span)).await;
+    // The supervisor waits for every clone of a lost term to drop before contending.
+    cx.status.set_term(None);
+    end
+}

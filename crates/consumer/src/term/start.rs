@@ -1,0 +1,167 @@
+//! The start of a term: announce the election to the store, find the relay and the
+//! position the last leader left, and subscribe.
+
+use checkpoint::{Fence, ReadOutcome, RelayKey, StoreError};
+use lease::Term;
+use relay_client::{RelayRole, Subscription};
+
+use super::{Ctx, Interrupted, Leader, Phase, Rewind, Step, TermEnd, guarded, while_active};
+use crate::builder::Settings;
+use crate::chain::Chains;
+use crate::continuity::Recent;
+use crate::error::Fatal;
+use crate::metrics as m;
+use crate::pipeline::Pipeline;
+use crate::status::Role;
+
+/// Where `role`'s stream resumes. `at_term_start` applies the rule that a missing cursor
+/// is only a fresh start when no earlier term existed.
+pub(super) async fn resume_point(
+    cx: &Ctx<'_>,
+    term: &Term,
+    role: RelayRole,
+    at_term_start: bool,
+) -> Result<Option<u64>, Step> {
+    let fp = cx.url(role).fingerprint();
+    let r = while_active(cx, term, "read cursor", || cx.store.read(fp)).await?;
+    let r = r.map_err(|source| Fatal::ReadCursor { role, source })?;
+    let remembered = cx.remembered.lock().ok().and_then(|m| m.get(fp).copied());
+    match (r, remembered) {
+        (ReadOutcome::Found(c), _) => {
+            tracing::info!(relay = role.as_str(), cursor = c, "resuming from stored cursor");
+            Ok(Some(c))
+        }
+        // A lower stored value may be an operator's rewind and is honoured; a missing one
+        // after this process saw a commit means the store lost data.
+        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), Some(mine)) => {
+            tracing::error!(
+                relay = role.as_str(),
+                committed_here = mine,
+                "the store lost this relay's cursor; resuming from the last commit this process saw"
+            );
+            Ok(Some(mine))
+        }
+        // Token 1 is the first term this lease store ever issued: a fresh deployment. A
+        // later token means some term ran before and (very likely) committed: the store
+        // lost the cursor, and the live tail would skip everything in between.
+        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) if at_term_start && term.token() > 1 => {
+            Err(Fatal::CursorLost { role, fingerprint: fp.to_owned(), token: term.token() }.into())
+        }
+        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) => {
+            tracing::warn!(
+                relay = role.as_str(),
+                token = term.token(),
+                "no stored cursor for this relay: starting from the live tail"
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// The stores' view of the configured relays.
+fn relay_keys(s: &Settings) -> Vec<(String, String, bool)> {
+    std::iter::once(&s.primary)
+        .chain(s.secondary.as_ref())
+        .map(|u| (u.fingerprint().to_owned(), u.host_port(), u.is_root()))
+        .collect()
+}
+
+impl Leader<'_, '_> {
+    /// A fresh pipeline (lanes and window) for `role`'s stream from `start`.
+    pub(super) fn pipeline(&self, role: RelayRole, start: Option<u64>) -> Pipeline {
+        Pipeline::new(&self.cx.shape, &self.cx.handler, self.cx.batch_ctx(&self.term, role), start)
+    }
+
+    /// Subscribes to `role` from `cursor` on the current pipeline: a stream with no
+    /// known position is placed by its first seq.
+    pub(super) fn begin(&mut self, role: RelayRole, cursor: Option<u64>) {
+        let fp = self.p.ctx.fingerprint.clone();
+        self.role = role;
+        self.phase = match cursor {
+            None => Phase::Placing(Rewind::FreshStart),
+            Some(_) => Phase::Streaming,
+        };
+        self.sub.start(role, cursor);
+        metrics::gauge!(m::ON_SECONDARY).set(if role == RelayRole::Secondary { 1.0 } else { 0.0 });
+        self.cx.status.update(|s| {
+            s.relay = Some(role);
+            s.fingerprint = Some(fp);
+            s.committed = cursor;
+        });
+    }
+}
+
+/// A term from its election to its end.
+pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
+    let token = term.token();
+    cx.status.update(|s| {
+        s.role = Role::Leader;
+        s.token = Some(token);
+    });
+    metrics::gauge!(m::LEADER).set(1.0);
+    let keys = relay_keys(cx.settings);
+    let keys: Vec<RelayKey<'_>> =
+        keys.iter().map(|(f, h, r)| RelayKey { fingerprint: f, host_port: h, is_root: *r }).collect();
+    let holder = term.holder();
+    let fence = Fence { holder: &holder, token };
+    match while_active(cx, &term, "on election", || cx.store.on_elected(fence, &keys)).await {
+        Err(Interrupted::TermEnded) => return TermEnd::Lost,
+        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+        Ok(Err(e @ StoreError::LegacyAmbiguous { .. })) => return TermEnd::Fatal(Fatal::LegacyAmbiguous(e)),
+        Ok(Err(e)) => return TermEnd::Fatal(Fatal::Elected(e)),
+        Ok(Ok(())) => {}
+    }
+    // Resume on the relay the last committing leader was on: its cursor is where the
+    // stream stands (the other relay's is older, and numbered differently).
+    let active = match guarded(cx, &term, cx.store.active_relay()).await {
+        Ok(Ok(a)) => a,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "reading the active relay failed; starting on the primary");
+            None
+        }
+        Err(Interrupted::TermEnded) => return TermEnd::Lost,
+        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+    };
+    let on_secondary = cx.settings.secondary.as_ref().is_some_and(|s| active.as_deref() == Some(s.fingerprint()));
+    let role = if on_secondary { RelayRole::Secondary } else { RelayRole::Primary };
+    if on_secondary {
+        tracing::info!("the last leader was on the secondary relay: resuming there");
+    }
+    let cursor = match resume_point(cx, &term, role, true).await {
+        Ok(c) => c,
+        Err(Step::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+        Err(Step::End(end)) => return end,
+        Err(Step::Next) => unreachable!("resume_point never asks to go on"),
+    };
+    let s = cx.settings;
+    let sub = Subscription::new(s.client.clone(), s.primary.clone(), s.secondary.clone());
+    let mut p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor);
+    // The position by time, as the last leader left it.
+    match guarded(cx, &term, cx.store.read_time(cx.url(role).fingerprint())).await {
+        Ok(Ok(t)) => p.times.carry(t),
+        Ok(Err(e)) => tracing::warn!(error = %e, "reading the stored time of the cursor failed"),
+        Err(Interrupted::TermEnded) => return TermEnd::Lost,
+        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+    }
+    // Twice the overlap: a relay's order is only roughly by time, so events a little older
+    // than the overlap's start can still come after it.
+    let recent = s.secondary.as_ref().map(|_| Recent::new(2 * cx.overlap_ms()));
+    let chains = (s.options.chain_repos > 0).then(|| Chains::new(s.options.chain_repos));
+    let mut l = Leader {
+        cx,
+        term,
+        role,
+        sub,
+        p,
+        phase: Phase::Streaming,
+        overlap_until: None,
+        last_time: String::new(),
+        recent,
+        chains,
+    };
+    l.begin(role, cursor);
+    match l.run().await {
+        Some(end) => end,
+        None => l.step_down().await,
+    }
+}

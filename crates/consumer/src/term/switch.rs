@@ -1,0 +1,279 @@
+//! Relay switches: settle and commit the relay it leaves, find where to resume on the
+//! target (its stored cursor inside the overlap, else by time), or refuse a switch that
+//! would lose events and stay.
+
+use std::time::{Duration, Instant};
+
+use relay_client::RelayRole;
+use relay_client::client::SwitchReason;
+use relay_client::probe::{ProbeError, find_start};
+
+use super::start::resume_point;
+use super::{Leader, Phase, Rewind, Step, guarded};
+use crate::continuity::GapPolicy;
+use crate::metrics as m;
+
+/// How often a standing refusal is logged again.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_mins(1);
+
+/// Why a relay switch was refused: switching would lose events, and the relay the
+/// leader had may come back. The leader stays, retries it, and is not ready meanwhile.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// The target's window does not reach back to the committed position.
+    Gap {
+        /// The relay switched to.
+        to: RelayRole,
+        /// The relay time needed (RFC 3339).
+        needed: String,
+        /// The oldest time it serves (RFC 3339).
+        oldest: String,
+        /// The oldest seq it serves.
+        oldest_seq: u64,
+    },
+    /// Finding where to resume on the target failed (it may be down too).
+    Probe {
+        /// The relay switched to.
+        to: RelayRole,
+        /// What went wrong.
+        source: ProbeError,
+    },
+    /// No event time and no stored cursor on the target: no position to carry over.
+    Unplaced {
+        /// The relay switched to.
+        to: RelayRole,
+    },
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Gap { to, needed, oldest, oldest_seq } => write!(
+                f,
+                "the {to} relay serves events only from {oldest} (seq {oldest_seq}), but events from {needed} on are \
+                 needed: switching would lose those in between (to accept such a gap set FIREKEEPER_GAP=live, or \
+                 choose the start with `firekeeper cursor set --relay {to} <seq>`)"
+            ),
+            Self::Probe { to, source } => write!(f, "finding where to resume on the {to} relay: {source}"),
+            Self::Unplaced { to } => write!(
+                f,
+                "no event time is known yet and the {to} relay has no stored cursor, so nothing places the position \
+                 there (its live tail would skip the backlog): set one with `firekeeper cursor set --relay {to} <seq>`, \
+                 or FIREKEEPER_GAP=live to start at its oldest event"
+            ),
+        }
+    }
+}
+
+/// A standing refusal.
+#[derive(Debug)]
+pub(super) struct Refused {
+    /// When the target was last probed.
+    probed: Instant,
+    /// When the refusal was last logged.
+    logged: Instant,
+}
+
+/// Unix ms as RFC 3339 (for messages).
+fn rfc3339(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_else(|| format!("{ms} ms"))
+}
+
+impl Leader<'_, '_> {
+    /// The client asks to switch from `from` to `to`: settle and commit `from`, then
+    /// resume on `to` where the committed position is, or refuse and stay.
+    pub(super) async fn on_switch(&mut self, from: RelayRole, to: RelayRole, reason: SwitchReason) -> Step {
+        // While a refused switch stands, the target is probed again at most once per
+        // probe interval; in between, the relay it had is retried.
+        let every = self.cx.settings.client.probe_interval;
+        if let Phase::Refused { refused, .. } = &self.phase
+            && refused.probed.elapsed() < every
+        {
+            self.sub.stay();
+            return Step::Next;
+        }
+        let kind = if reason == SwitchReason::Failback { "failback" } else { "failover" };
+        metrics::counter!(m::RELAY_SWITCHES, "to" => to.as_str(), "kind" => kind).increment(1);
+        if let Err(s) = self.settle().await {
+            return s;
+        }
+        tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?self.p.committed, "relay switch: committed the current relay first");
+        let at = self.p.times.at_cursor();
+        match self.switch_start(to, at).await {
+            Ok(Ok(cursor)) => {
+                self.clear_refusal();
+                self.restart_on(to, cursor);
+                self.begin(to, cursor);
+                self.overlap_until = at.map(|w| w.saturating_add(self.cx.overlap_ms()));
+                Step::Next
+            }
+            Ok(Err(why)) => {
+                // The settled pipeline's lanes are closed: a fresh one on the same relay,
+                // from the committed position.
+                let start = self.p.committed.or(self.sub.cursor());
+                self.restart_on(from, start);
+                self.refuse(from, &why, reason);
+                Step::Next
+            }
+            Err(s) => s,
+        }
+    }
+
+    /// A fresh pipeline on `role` from `start` after the current one settled, carrying
+    /// the position by time over (relay switches, a relay going live, a refused switch).
+    pub(super) fn restart_on(&mut self, role: RelayRole, start: Option<u64>) {
+        let at = self.p.times.at_cursor();
+        self.p = self.pipeline(role, start);
+        self.p.times.carry(at);
+    }
+
+    /// Where to resume on `to` after committing the current relay at relay time `at`: its
+    /// stored cursor when that is inside the overlap, else found by time on the relay.
+    /// A switch that would lose events (a real gap under `GapPolicy::Fail`, a relay that
+    /// cannot be probed, no position known at all) is refused instead.
+    async fn switch_start(&mut self, to: RelayRole, at: Option<i64>) -> Result<Result<Option<u64>, Refusal>, Step> {
+        let (cx, opts) = (self.cx, &self.cx.settings.options);
+        let stored = resume_point(cx, &self.term, to, false).await?;
+        let Some(at) = at else {
+            // Nothing delivered carried a time yet: there is no position to carry over.
+            // The target's own stored cursor is a position on it; without one, the live
+            // tail would skip everything after the committed cursor.
+            if stored.is_some() {
+                return Ok(Ok(stored));
+            }
+            if opts.gap == GapPolicy::Live {
+                tracing::error!(
+                    relay = to.as_str(),
+                    "no event time is known yet and the relay switched to has no stored cursor: starting at its oldest \
+                     event (FIREKEEPER_GAP=live); what it no longer serves is missing"
+                );
+                metrics::counter!(m::GAPS, "reason" => "switch_unplaced").increment(1);
+                return Ok(Ok(Some(0)));
+            }
+            return Ok(Err(Refusal::Unplaced { to }));
+        };
+        let fp = cx.url(to).fingerprint();
+        let overlap = cx.overlap_ms();
+        let target = at - overlap;
+        let stored_time = match guarded(cx, &self.term, cx.store.read_time(fp)).await? {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the stored time of the relay switched to; probing instead");
+                None
+            }
+        };
+        if let (Some(c), Some(t)) = (stored, stored_time)
+            && (target..=at).contains(&t)
+        {
+            tracing::info!(relay = to.as_str(), cursor = c, "switch: the stored cursor is inside the overlap");
+            return Ok(Ok(Some(c)));
+        }
+        let wait = cx.settings.client.connect_timeout;
+        // Boxed: the probe's WebSocket state would otherwise sit in every enclosing future.
+        let probe = Box::pin(find_start(cx.url(to), target, opts.switch_max_probes, wait));
+        let found = guarded(cx, &self.term, probe).await?;
+        match found {
+            Ok(f) => {
+                metrics::counter!(m::SWITCH_PROBES).increment(u64::from(f.probes));
+                tracing::info!(
+                    relay = to.as_str(),
+                    cursor = f.cursor,
+                    probes = f.probes,
+                    probe_ms = f.elapsed.as_millis() as u64,
+                    overlap_ms = overlap,
+                    "switch: found where to resume by time"
+                );
+                Ok(Ok(Some(f.cursor)))
+            }
+            // The window does not hold the whole overlap, but reaches back past the
+            // position (less the clocks' skew): nothing is missing, the overlap is short.
+            Err(ProbeError::Gap { oldest_ms, oldest_seq }) if oldest_ms < at - cx.skew_ms() => {
+                metrics::counter!(m::SWITCH_OVERLAP_SHORT).increment(1);
+                tracing::warn!(
+                    relay = to.as_str(),
+                    cursor = oldest_seq - 1,
+                    overlap_ms = at - oldest_ms,
+                    wanted_ms = overlap,
+                    "switch: the relay's window holds less than the overlap but reaches back past the position; \
+                     starting at its oldest event"
+                );
+                Ok(Ok(Some(oldest_seq - 1)))
+            }
+            Err(ProbeError::Gap { oldest_ms, oldest_seq }) => {
+                let (needed, oldest) = (rfc3339(at), rfc3339(oldest_ms));
+                if opts.gap == GapPolicy::Fail {
+                    return Ok(Err(Refusal::Gap { to, needed, oldest, oldest_seq }));
+                }
+                metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
+                let gap = format!("{} relay: events from {needed} to {oldest} are missing", to.as_str());
+                tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (FIREKEEPER_GAP=live) on a relay switch");
+                cx.status.update(|s| s.last_gap = Some(gap));
+                Ok(Ok(Some(oldest_seq - 1)))
+            }
+            Err(source) => Ok(Err(Refusal::Probe { to, source })),
+        }
+    }
+
+    /// Stays on the relay it had after a refused switch: counts the refusal (logged at
+    /// most once a minute) and resumes there from the committed position. A refused
+    /// failover is shown (`/status`, not ready, the gauge): nothing flows until the relay
+    /// returns. A refused failback is not: the secondary still serves.
+    fn refuse(&mut self, from: RelayRole, why: &Refusal, reason: SwitchReason) {
+        metrics::counter!(m::SWITCH_REFUSED).increment(1);
+        let now = Instant::now();
+        let (last_logged, placing) = match std::mem::replace(&mut self.phase, Phase::Streaming) {
+            Phase::Refused { refused, placing } => (Some(refused.logged), placing),
+            Phase::Placing(why) => (None, Some(why)),
+            Phase::Streaming => (None, None),
+        };
+        let log = last_logged.is_none_or(|at| now.duration_since(at) >= REFUSAL_LOG_EVERY);
+        if reason == SwitchReason::Failback {
+            if log {
+                tracing::warn!(relay = from.as_str(), refused = %why, "failback refused: staying on the secondary relay");
+            }
+        } else {
+            if log {
+                tracing::error!(
+                    relay = from.as_str(),
+                    refused = %why,
+                    "relay switch refused: staying on this relay and retrying it; not ready until events flow again"
+                );
+            }
+            metrics::gauge!(m::SWITCH_REFUSED_NOW).set(1.0);
+            self.cx.status.set_refused_switch(Some(why.to_string()));
+        }
+        let logged = if log { now } else { last_logged.unwrap_or(now) };
+        self.phase = Phase::Refused { refused: Refused { probed: now, logged }, placing };
+        self.sub.stay();
+    }
+
+    /// Events flow again (or a switch went through) after a refused switch; the
+    /// placement a refusal held over is still owed.
+    pub(super) fn clear_refusal(&mut self) {
+        if let Phase::Refused { placing, .. } = &self.phase {
+            self.phase = placing.map_or(Phase::Streaming, Phase::Placing);
+            tracing::info!(relay = self.role.as_str(), "events flow again after a refused relay switch");
+            metrics::gauge!(m::SWITCH_REFUSED_NOW).set(0.0);
+            self.cx.status.set_refused_switch(None);
+        }
+    }
+
+    /// The relay went live after rejecting the cursor (`FutureCursor` under the `live`
+    /// policy): live seqs may be lower than anything delivered so far, so finish and
+    /// commit the old numbering, then start a fresh window placed by the first live seq.
+    pub(super) async fn went_live(&mut self, rejected: Option<u64>) -> Step {
+        if let Err(s) = self.settle().await {
+            return s;
+        }
+        self.restart_on(self.role, None);
+        let why = Rewind::WentLive(rejected);
+        match &mut self.phase {
+            Phase::Refused { placing, .. } => *placing = Some(why),
+            other => *other = Phase::Placing(why),
+        }
+        Step::Next
+    }
+}
