@@ -9,7 +9,7 @@ use relay_client::{Item, RelayRole, RelayUrl, Subscription};
 
 use crate::cli::Relay;
 use crate::config::Config;
-use crate::stores::{LeaseBackend, open_store};
+use crate::stores::{open_lease, open_store};
 
 fn relay(cfg: &Config, r: Relay) -> Result<(RelayRole, &RelayUrl)> {
     let role = RelayRole::from(r);
@@ -42,7 +42,7 @@ pub async fn cursor_set(cfg: &Config, r: Relay, seq: u64) -> Result<()> {
 
 /// Prints the lease state.
 pub async fn lease_show(cfg: &Config) -> Result<()> {
-    let snap = LeaseBackend::new(cfg).await?.snapshot().await?;
+    let snap = open_lease(cfg).await?.snapshot().await?;
     println!(
         "holder {} fence {} fence-seen {} ttl {}",
         snap.holder.as_deref().unwrap_or("none"),

@@ -89,7 +89,7 @@ async fn run(cfg: Config) -> Result<()> {
     if let Some(id) = &cfg.instance_id {
         builder = builder.instance_id(id);
     }
-    let consumer = stores::LeaseBackend::new(&cfg).await?.install(builder, &cfg).build()?;
+    let consumer = builder.lease(stores::open_lease(&cfg).await?, cfg.lease.clone()).build()?;
     let status = consumer.status();
     if !cfg.log_json {
         tokio::spawn(telemetry::summary_lines(status.clone(), std::time::Duration::from_secs(5)));

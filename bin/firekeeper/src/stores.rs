@@ -5,21 +5,11 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use checkpoint::{CursorStore, FileStore, NatsStore, PostgresStore, RedisKeys, RedisStore};
-use consumer::{Builder, Handler};
-use lease::{LocalBackend, NatsBackend, RedisBackend, Snapshot};
+use consumer::Handler;
+use lease::{Backend, LocalBackend, NatsBackend, RedisBackend};
 use nats_op::Nats;
 
 use crate::config::{Config, LeaseKind, SinkKind, StoreKind};
-
-/// The lease backend (a generic trait, so one of three concrete types).
-pub enum LeaseBackend {
-    /// Redis (with `REDIS_URL`).
-    Redis(Arc<RedisBackend>),
-    /// NATS KV (with `NATS_URL`).
-    Nats(Arc<NatsBackend>),
-    /// A lock file (embedded).
-    Local(Arc<LocalBackend>),
-}
 
 /// A NATS connection of its own (the lease's renewals never queue behind the sink's
 /// publishes).
@@ -28,45 +18,20 @@ async fn nats(cfg: &Config) -> Result<Nats> {
     Nats::connect(n).await.context("NATS_URL")
 }
 
-impl LeaseBackend {
-    /// Builds the backend for `cfg`.
-    pub async fn new(cfg: &Config) -> Result<Self> {
-        Ok(match cfg.lease_backend {
-            LeaseKind::Redis => {
-                let url = cfg.redis_url.as_deref().context("REDIS_URL")?;
-                Self::Redis(Arc::new(
-                    RedisBackend::new(url, &cfg.lease.key_prefix, cfg.lease.op_timeout).context("REDIS_URL")?,
-                ))
-            }
-            LeaseKind::Nats => {
-                Self::Nats(Arc::new(NatsBackend::new(&nats(cfg).await?, &cfg.lease.key_prefix, cfg.lease.ttl)))
-            }
-            LeaseKind::Local => {
-                std::fs::create_dir_all(&cfg.data_dir)
-                    .with_context(|| format!("creating data directory {}", cfg.data_dir.display()))?;
-                Self::Local(Arc::new(LocalBackend::new(&lease_file(cfg))))
-            }
-        })
-    }
-
-    /// Hands the backend to the consumer.
-    pub fn install(self, b: Builder, cfg: &Config) -> Builder {
-        match self {
-            Self::Redis(r) => b.lease(r, cfg.lease.clone()),
-            Self::Nats(n) => b.lease(n, cfg.lease.clone()),
-            Self::Local(l) => b.lease(l, cfg.lease.clone()),
+/// Opens the lease backend for `cfg`.
+pub async fn open_lease(cfg: &Config) -> Result<Arc<dyn Backend>> {
+    Ok(match cfg.lease_backend {
+        LeaseKind::Redis => {
+            let url = cfg.redis_url.as_deref().context("REDIS_URL")?;
+            Arc::new(RedisBackend::new(url, &cfg.lease.key_prefix, cfg.lease.op_timeout).context("REDIS_URL")?)
         }
-    }
-
-    /// What the lease store holds (`lease show`).
-    pub async fn snapshot(&self) -> Result<Snapshot> {
-        use lease::Backend as _;
-        Ok(match self {
-            Self::Redis(b) => b.snapshot().await?,
-            Self::Nats(b) => b.snapshot().await?,
-            Self::Local(b) => b.snapshot().await?,
-        })
-    }
+        LeaseKind::Nats => Arc::new(NatsBackend::new(&nats(cfg).await?, &cfg.lease.key_prefix, cfg.lease.ttl)),
+        LeaseKind::Local => {
+            std::fs::create_dir_all(&cfg.data_dir)
+                .with_context(|| format!("creating data directory {}", cfg.data_dir.display()))?;
+            Arc::new(LocalBackend::new(&lease_file(cfg)))
+        }
+    })
 }
 
 /// The local lease's lock file.

@@ -4,10 +4,8 @@
 use std::sync::Arc;
 
 use checkpoint::CursorStore;
-use futures_util::future::BoxFuture;
-use lease::{Backend, BackendError, BootClock, Clock, LeaseConfig, LeaseEvent, LeaseHandle};
+use lease::{Backend, BootClock, Clock, LeaseConfig};
 use relay_client::{ClientConfig, RelayUrl};
-use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::Error;
 use crate::handler::Handler;
@@ -23,36 +21,6 @@ pub(crate) struct Settings {
     pub(crate) options: Options,
 }
 
-/// Starts a lease supervisor on some backend (the backend trait is generic, the
-/// consumer is not).
-pub(crate) trait LeaseFactory: Send + Sync {
-    fn spawn(
-        &self,
-        clock: Arc<dyn Clock>,
-        instance: &str,
-    ) -> Result<(LeaseHandle, UnboundedReceiver<LeaseEvent>), lease::ConfigError>;
-    fn seed_fence(&self, min: u64) -> BoxFuture<'_, Result<u64, BackendError>>;
-}
-
-struct LeaseParts<B> {
-    backend: Arc<B>,
-    cfg: LeaseConfig,
-}
-
-impl<B: Backend> LeaseFactory for LeaseParts<B> {
-    fn spawn(
-        &self,
-        clock: Arc<dyn Clock>,
-        instance: &str,
-    ) -> Result<(LeaseHandle, UnboundedReceiver<LeaseEvent>), lease::ConfigError> {
-        lease::spawn_as(self.backend.clone(), self.cfg.clone(), clock, instance)
-    }
-
-    fn seed_fence(&self, min: u64) -> BoxFuture<'_, Result<u64, BackendError>> {
-        Box::pin(self.backend.seed_fence(min))
-    }
-}
-
 /// Assembles a [`Consumer`]: relays, lease backend, cursor store and handler.
 #[must_use]
 pub struct Builder {
@@ -60,7 +28,7 @@ pub struct Builder {
     secondary: Option<RelayUrl>,
     client: ClientConfig,
     options: Options,
-    lease: Option<Box<dyn LeaseFactory>>,
+    lease: Option<(Arc<dyn Backend>, LeaseConfig)>,
     store: Option<Arc<dyn CursorStore>>,
     handler: Option<Arc<dyn Handler>>,
     instance: Option<String>,
@@ -102,8 +70,8 @@ impl Builder {
     }
 
     /// The lease backend and its timings (required).
-    pub fn lease<B: Backend>(mut self, backend: Arc<B>, cfg: LeaseConfig) -> Self {
-        self.lease = Some(Box::new(LeaseParts { backend, cfg }));
+    pub fn lease(mut self, backend: Arc<dyn Backend>, cfg: LeaseConfig) -> Self {
+        self.lease = Some((backend, cfg));
         self
     }
 

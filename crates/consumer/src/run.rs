@@ -5,11 +5,11 @@ use std::pin::pin;
 use std::sync::Arc;
 
 use checkpoint::CursorStore;
-use lease::{Clock, LeaseEvent};
+use lease::{Backend, Clock, LeaseConfig, LeaseEvent};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
-use crate::builder::{LeaseFactory, Settings};
+use crate::builder::Settings;
 use crate::error::Error;
 use crate::handler::{Handler, Render};
 use crate::metrics;
@@ -21,7 +21,7 @@ use crate::verify;
 /// A configured consumer; [`Consumer::run`] contends for the lease and leads when elected.
 pub struct Consumer {
     pub(crate) settings: Settings,
-    pub(crate) lease: Box<dyn LeaseFactory>,
+    pub(crate) lease: (Arc<dyn Backend>, LeaseConfig),
     pub(crate) store: Arc<dyn CursorStore>,
     pub(crate) handler: Arc<dyn Handler>,
     pub(crate) instance: String,
@@ -46,14 +46,14 @@ impl Consumer {
     /// fatal condition, or the lease supervisor ending. Like mini-redis's `server::run`,
     /// the caller decides what shutdown means (a signal, a test's oneshot).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
-        let Self { settings, lease, store, handler, instance, clock, status } = self;
+        let Self { settings, lease: (backend, lease_cfg), store, handler, instance, clock, status } = self;
         if let Some(seen) = store.fence_floor().await.map_err(|e| Error::SeedFence(e.to_string()))? {
             // Tokens must stay above what the cursor store has seen, even if the lease
             // store lost its counter.
-            let fence = lease.seed_fence(seen).await.map_err(|e| Error::SeedFence(e.to_string()))?;
+            let fence = backend.seed_fence(seen).await.map_err(|e| Error::SeedFence(e.to_string()))?;
             tracing::info!(seen, fence, store = store.name(), "lease fence seeded from the cursor store");
         }
-        let (handle, events) = lease.spawn(clock, &instance)?;
+        let (handle, events) = lease::spawn_as(backend, lease_cfg, clock, &instance)?;
         status.update(|s| {
             s.role = Role::Standby;
             s.instance.clone_from(&instance);

@@ -206,6 +206,9 @@ type Running =
     (consumer::StatusHandle, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), consumer::Error>>);
 
 fn spawn(c: Consumer) -> Running {
+    // The consumer's log goes to stderr, which nextest shows only for a failing test:
+    // a switch that stalls under load shows where it stood.
+    let _ = tracing_subscriber::fmt().with_env_filter("info").with_writer(std::io::stderr).try_init();
     let status = c.status();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(c.run(async {

@@ -1,6 +1,5 @@
 //! The seam between the supervisor and a lease store.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,30 +72,23 @@ pub struct Snapshot {
     pub ttl: Option<Duration>,
 }
 
-/// A lease store. Every call is one atomic operation with a hard timeout.
+/// A lease store. Every call is one atomic operation with a hard timeout. Object-safe
+/// (`Arc<dyn Backend>`), like the cursor store and the handler: the calls are a few per
+/// second, so the boxed future costs nothing that matters.
+#[async_trait::async_trait]
 pub trait Backend: Send + Sync + 'static {
     /// Takes the lease if free, issuing a fresh fencing token above the store's counter
     /// and above `floor` (the highest token this process has seen).
-    fn acquire(
-        &self,
-        instance: &str,
-        ttl: Duration,
-        floor: u64,
-    ) -> impl Future<Output = Result<Acquire, BackendError>> + Send;
+    async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError>;
     /// Extends our lease, or retakes it if it vanished and nobody was elected since.
-    fn renew(
-        &self,
-        instance: &str,
-        token: u64,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<Renew, BackendError>> + Send;
+    async fn renew(&self, instance: &str, token: u64, ttl: Duration) -> Result<Renew, BackendError>;
     /// Deletes the lease if `instance` holds it (any token) and tells standbys. Returns
     /// whether it was ours.
-    fn release(&self, instance: &str) -> impl Future<Output = Result<bool, BackendError>> + Send;
+    async fn release(&self, instance: &str) -> Result<bool, BackendError>;
     /// Raises the fence counter to at least `min` (never lowers it); returns its value.
-    fn seed_fence(&self, min: u64) -> impl Future<Output = Result<u64, BackendError>> + Send;
+    async fn seed_fence(&self, min: u64) -> Result<u64, BackendError>;
     /// Reads the lease state.
-    fn snapshot(&self) -> impl Future<Output = Result<Snapshot, BackendError>> + Send;
+    async fn snapshot(&self) -> Result<Snapshot, BackendError>;
     /// Fired when some holder releases, so standbys try at once; `None` if the store
     /// has no such signal.
     fn release_signal(&self) -> Option<Arc<Notify>>;

@@ -26,6 +26,8 @@ pub mod nats_backend;
 pub mod redis_backend;
 pub mod supervisor;
 
+/// Implementors of [`Backend`] outside this crate use the same attribute.
+pub use async_trait::async_trait;
 pub use backend::{Acquire, Backend, BackendError, Renew, Snapshot};
 pub use clock::{BootClock, Clock, OffsetClock, TokioClock};
 pub use config::{ConfigError, LeaseConfig};

@@ -66,6 +66,7 @@ impl LocalBackend {
     }
 }
 
+#[async_trait::async_trait]
 impl Backend for LocalBackend {
     async fn acquire(&self, instance: &str, _ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let mut held = self.held.lock().map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;

@@ -189,6 +189,7 @@ impl NatsBackend {
     }
 }
 
+#[async_trait::async_trait]
 impl Backend for NatsBackend {
     async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         self.acquire_with(instance, ttl, floor, async {}).await

@@ -191,6 +191,7 @@ fn ms(d: Duration) -> u64 {
     d.as_millis().max(1) as u64
 }
 
+#[async_trait::async_trait]
 impl Backend for RedisBackend {
     async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let k = &self.keys;

@@ -312,8 +312,8 @@ impl LeaseHandle {
 }
 
 /// Starts a supervisor for a random instance id.
-pub fn spawn<B: Backend>(
-    backend: Arc<B>,
+pub fn spawn(
+    backend: Arc<dyn Backend>,
     cfg: LeaseConfig,
     clock: Arc<dyn Clock>,
 ) -> Result<(LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>), ConfigError> {
@@ -321,8 +321,8 @@ pub fn spawn<B: Backend>(
 }
 
 /// Starts a supervisor with an explicit instance id (tests, or a stable pod name).
-pub fn spawn_as<B: Backend>(
-    backend: Arc<B>,
+pub fn spawn_as(
+    backend: Arc<dyn Backend>,
     cfg: LeaseConfig,
     clock: Arc<dyn Clock>,
     instance: &str,
@@ -354,8 +354,8 @@ pub fn spawn_as<B: Backend>(
     Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, task }, ev_rx))
 }
 
-struct Supervisor<B> {
-    backend: Arc<B>,
+struct Supervisor {
+    backend: Arc<dyn Backend>,
     cfg: LeaseConfig,
     clock: Arc<dyn Clock>,
     instance: Arc<str>,
@@ -385,7 +385,7 @@ fn transition(to: &'static str, reason: &'static str) {
     metrics::counter!(crate::metrics::TRANSITIONS, "to" => to, "reason" => reason).increment(1);
 }
 
-impl<B: Backend> Supervisor<B> {
+impl Supervisor {
     async fn run(mut self) {
         loop {
             let Some((term, done)) = self.contend().await else {

@@ -75,6 +75,7 @@ impl Mock {
     }
 }
 
+#[lease::async_trait]
 impl Backend for Mock {
     async fn acquire(&self, instance: &str, ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let delay = self.s.lock().unwrap().acquire_delay;
