@@ -8,6 +8,9 @@
 //! caller to commit the current relay's cursor and then call [`Subscription::start`] with
 //! the new relay's own cursor.
 
+mod failback;
+mod frames;
+
 use std::collections::VecDeque;
 use std::fmt;
 use std::time::Duration;
@@ -15,16 +18,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use tokio::net::TcpStream;
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_tungstenite::tungstenite::{self, Message as WsMessage, protocol::WebSocketConfig};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
-use yoke::Yoke;
 
+use self::failback::Failback;
 use crate::backoff::Backoff;
 pub use crate::config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, OVERSIZE_PROBE_BYTES, RelayRole};
-use crate::error::{ConnError, DecodeError, SubscribeError};
-use crate::frame::{self, Frame, Message, peek_seq};
+use crate::error::{ConnError, SubscribeError};
 pub use crate::item::{Item, Notice, OwnedFrame, Stats, SwitchReason};
 use crate::relay_url::RelayUrl;
 
@@ -59,36 +60,6 @@ enum Link {
     Down { retry_at: Option<Instant> },
     /// Connected.
     Up(Box<Conn>),
-}
-
-/// Failback to the primary while on the secondary: probes on a timer and their streak.
-#[derive(Default)]
-struct Failback {
-    /// A probe connection in flight.
-    probe: Option<JoinHandle<bool>>,
-    /// When the next probe starts (`None` on the primary, or while one is in flight).
-    next_at: Option<Instant>,
-    /// Consecutive good probes.
-    streak: u32,
-}
-
-impl Failback {
-    /// Stops a probe in flight.
-    fn abort(&mut self) {
-        if let Some(p) = self.probe.take() {
-            p.abort();
-        }
-    }
-
-    /// The next probe one interval from now, when on the secondary.
-    fn schedule(&mut self, active: RelayRole, every: Duration) {
-        self.next_at = (active == RelayRole::Secondary).then(|| Instant::now() + every);
-    }
-
-    /// When the next probe is due, unless one is in flight.
-    fn due(&self) -> Option<Instant> {
-        if self.probe.is_none() { self.next_at } else { None }
-    }
 }
 
 /// The subscription state machine. See the module docs.
@@ -361,233 +332,6 @@ impl Subscription {
             }
         }
     }
-
-    fn start_probe(&mut self) {
-        self.failback.next_at = None;
-        let url = self.primary.subscribe_url(None);
-        let cfg = self.cfg.clone();
-        self.failback.probe = Some(tokio::spawn(async move { probe(url, &cfg).await }));
-    }
-
-    fn on_probe(&mut self, ok: bool) {
-        let f = &mut self.failback;
-        f.next_at = Some(Instant::now() + self.cfg.probe_interval);
-        f.streak = if ok { f.streak + 1 } else { 0 };
-        tracing::debug!(relay = "primary", ok, streak = f.streak, "failback probe");
-        if self.active == RelayRole::Secondary && f.streak >= self.cfg.probe_successes {
-            self.request_switch(RelayRole::Primary, SwitchReason::Failback);
-        }
-    }
-
-    /// One WebSocket message: the connection's end, a pong, or a binary frame to decode.
-    fn on_message(
-        &mut self,
-        msg: Option<Result<WsMessage, tungstenite::Error>>,
-    ) -> Result<Option<Item>, SubscribeError> {
-        let bytes = match msg {
-            Some(Ok(WsMessage::Binary(b))) => b,
-            Some(Err(tungstenite::Error::Capacity(_))) => return self.oversized(),
-            Some(Ok(WsMessage::Text(t))) => return self.bad_frame(None, DecodeError::TextMessage { len: t.len() }),
-            Some(Ok(WsMessage::Pong(_))) => {
-                if let Link::Up(c) = &mut self.link {
-                    c.pong_due = None;
-                }
-                return Ok(None);
-            }
-            None | Some(Ok(WsMessage::Close(_))) => {
-                self.fail(ConnError::ClosedByRelay);
-                return Ok(None);
-            }
-            Some(Err(e)) => {
-                self.fail(ConnError::Io(describe(&e)));
-                return Ok(None);
-            }
-            Some(Ok(WsMessage::Ping(_) | WsMessage::Frame(_))) => return Ok(None),
-        };
-        self.saw_data();
-        let max = self.cfg.max_frame_bytes;
-        if bytes.len() > max {
-            // Only reachable while reading with the raised limit.
-            self.oversize_probe = false;
-            return self.bad_frame(peek_seq(&bytes), DecodeError::TooLarge { size: bytes.len(), max });
-        }
-        // Decoded once: the event keeps this decoding beside its bytes.
-        match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(Vec::from(bytes), |b| {
-            frame::decode(b).map_err(|e| (e, peek_seq(b)))
-        }) {
-            Ok(decoded) => self.on_frame(decoded),
-            Err((error, seq)) => self.bad_frame(seq, error),
-        }
-    }
-
-    /// A data frame proves the connection alive; one that has lasted `healthy_after`
-    /// resets the backoff and the failure count.
-    fn saw_data(&mut self) {
-        let Link::Up(c) = &mut self.link else { return };
-        let now = Instant::now();
-        c.last_data = now;
-        c.pong_due = None;
-        if !c.healthy && now.duration_since(c.since) >= self.cfg.healthy_after {
-            c.healthy = true;
-            self.backoff.reset();
-            self.failures = 0;
-        }
-    }
-
-    /// A message over the socket's frame limit. Reconnecting from the same cursor would
-    /// meet it forever: stop before it, or (under `skip`) read it once with a raised
-    /// limit to learn its seq.
-    fn oversized(&mut self) -> Result<Option<Item>, SubscribeError> {
-        let relay = self.active;
-        self.stats.bad_frames += 1;
-        let after = self.cursor;
-        if self.cfg.bad_frame == BadFramePolicy::Fail || self.oversize_probe {
-            let limit = self.read_limit();
-            tracing::error!(relay = relay.as_str(), max = limit, cursor = ?after, "oversized frame: stopping before it");
-            self.link = Link::Stopped;
-            self.oversize_probe = false;
-            return Err(SubscribeError::FrameTooLarge { relay, after, max: limit });
-        }
-        let max = self.cfg.max_frame_bytes;
-        tracing::error!(relay = relay.as_str(), max, cursor = ?after, "oversized frame: reconnecting with a raised limit to learn its seq and skip it");
-        self.oversize_probe = true;
-        self.link = Link::Down { retry_at: None };
-        Ok(None)
-    }
-
-    /// A decoded frame: an error frame, an `#info`, or a message placed by its seq.
-    fn on_frame(&mut self, decoded: Yoke<Frame<'static>, Vec<u8>>) -> Result<Option<Item>, SubscribeError> {
-        let relay = self.active;
-        let (seq, known) = match decoded.get() {
-            Frame::Error(e) => return self.on_error_frame(e.error, e.message),
-            Frame::Message(Message::Info(i)) => {
-                let message = i.message.map(str::to_owned);
-                let notice = if i.name == "OutdatedCursor" {
-                    tracing::warn!(relay = relay.as_str(), cursor = ?self.cursor, message = ?message, "relay says the cursor is outdated: events were missed");
-                    Notice::OutdatedCursor { relay, message }
-                } else {
-                    tracing::info!(relay = relay.as_str(), name = i.name, message = ?message, "relay info");
-                    Notice::Info { relay, name: i.name.to_owned(), message }
-                };
-                return Ok(Some(Item::Notice(notice)));
-            }
-            Frame::Message(m) => (m.seq(), !matches!(m, Message::Unknown { .. })),
-        };
-        let Some(seq) = seq else {
-            self.stats.unknown_types += 1;
-            return Ok(None);
-        };
-        if let Some(last) = self.cursor.filter(|&l| seq <= l) {
-            return Ok(self.not_after(last, seq));
-        }
-        self.cursor = Some(seq);
-        if !known {
-            self.stats.unknown_types += 1;
-            tracing::debug!(relay = relay.as_str(), seq, "unknown message type skipped");
-            return Ok(None);
-        }
-        self.stats.frames += 1;
-        Ok(OwnedFrame::from_frame(decoded, seq, relay).map(Item::Frame))
-    }
-
-    /// A seq at or below the last delivered one: a duplicate, or the relay going
-    /// backwards (reported once per connection). Either way the frame is dropped.
-    fn not_after(&mut self, last: u64, seq: u64) -> Option<Item> {
-        if seq == last {
-            self.stats.duplicates += 1;
-            return None;
-        }
-        self.stats.backwards += 1;
-        let Link::Up(c) = &mut self.link else { return None };
-        if c.warned_backwards {
-            return None;
-        }
-        c.warned_backwards = true;
-        let relay = self.active;
-        tracing::warn!(
-            relay = relay.as_str(),
-            last,
-            got = seq,
-            "relay seq went backwards; dropping frames until it passes the last seq"
-        );
-        Some(Item::Notice(Notice::SeqBackwards { relay, last, got: seq }))
-    }
-
-    /// Applies the bad-frame policy. A frame at or below the last delivered seq is a
-    /// replay of something already handled and is dropped quietly.
-    fn bad_frame(&mut self, seq: Option<u64>, error: DecodeError) -> Result<Option<Item>, SubscribeError> {
-        self.stats.bad_frames += 1;
-        let relay = self.active;
-        let Some(seq) = seq else {
-            tracing::error!(relay = relay.as_str(), reason = error.reason(), %error, "frame without a readable seq skipped");
-            return Ok(Some(Item::Notice(Notice::BadFrame { relay, seq: None, error })));
-        };
-        if self.cursor.is_some_and(|c| seq <= c) {
-            return Ok(None);
-        }
-        match self.cfg.bad_frame {
-            BadFramePolicy::Fail => {
-                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, cursor = ?self.cursor, "undecodable frame: stopping before it");
-                self.link = Link::Stopped;
-                Err(SubscribeError::BadFrame { relay, seq, error })
-            }
-            BadFramePolicy::Skip => {
-                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, "undecodable frame skipped under the skip policy: this event is lost");
-                self.cursor = Some(seq);
-                Ok(Some(Item::Notice(Notice::BadFrame { relay, seq: Some(seq), error })))
-            }
-        }
-    }
-
-    fn on_error_frame(&mut self, error: &str, message: Option<&str>) -> Result<Option<Item>, SubscribeError> {
-        let relay = self.active;
-        let message = message.unwrap_or_default().to_owned();
-        if error == "FutureCursor" {
-            let cursor = self.cursor;
-            tracing::error!(relay = relay.as_str(), ?cursor, %message, "relay rejected the cursor as FutureCursor");
-            match self.cfg.future_cursor {
-                FutureCursorPolicy::Fail => {
-                    self.link = Link::Stopped;
-                    return Err(SubscribeError::FutureCursor { relay, cursor, message });
-                }
-                FutureCursorPolicy::GoLive => {
-                    self.cursor = None;
-                    self.link = Link::Down { retry_at: None };
-                    return Ok(Some(Item::Notice(Notice::WentLive { relay, rejected: cursor })));
-                }
-            }
-        }
-        self.fail(ConnError::ErrorFrame { error: error.to_owned(), message });
-        Ok(None)
-    }
-}
-
-/// Opens a cursor-less connection to `url` and keeps it for `probe_hold`: good if the
-/// handshake works and the relay neither closes nor sends an error frame meanwhile.
-async fn probe(url: url::Url, cfg: &ClientConfig) -> bool {
-    let conn = timeout(
-        cfg.connect_timeout,
-        tokio_tungstenite::connect_async_with_config(url.as_str(), Some(ws_config(cfg.max_frame_bytes)), true),
-    )
-    .await;
-    let Ok(Ok((mut ws, _))) = conn else {
-        return false;
-    };
-    let deadline = Instant::now() + cfg.probe_hold;
-    let ok = loop {
-        match tokio::time::timeout_at(deadline, ws.next()).await {
-            Err(_) => break true,
-            Ok(None | Some(Err(_) | Ok(WsMessage::Close(_)))) => break false,
-            Ok(Some(Ok(WsMessage::Binary(b)))) => {
-                if matches!(frame::decode(&b), Ok(Frame::Error(_))) {
-                    break false;
-                }
-            }
-            Ok(Some(Ok(_))) => {}
-        }
-    };
-    let _ = timeout(Duration::from_millis(500), ws.close(None)).await;
-    ok
 }
 
 /// Describes a WebSocket error without echoing URLs (which may carry credentials).
