@@ -1,9 +1,218 @@
-//! Every setting, defined once: its variable, default, parser and help. The
-//! unknown-variable check, `check-config`'s summary and the README's table all come from
-//! [`SETTINGS`] (a test fails when the README's table and this list disagree).
+//! Every setting, declared once as code: its variable, its parser (which writes the typed
+//! value into [`Raw`]), its default (read from the libraries' `Default`s through
+//! [`Raw::default`]) and its help. The unknown-variable check, `check-config`'s summary
+//! and the README's table all come from [`SETTINGS`] (a test fails when the README's
+//! table and this list disagree). Choice settings take their words from one list per
+//! type ([`Choice::WORDS`]), so a value cannot be parsed without being listed, or listed
+//! without being parsed.
 
-/// How a setting's value is parsed.
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use consumer::{ChainBreaks, CollectionFilter, GapPolicy, InvalidPolicy, Options, VerifyMode};
+use lease::LeaseConfig;
+use relay_client::{BadFramePolicy, ClientConfig, FutureCursorPolicy, RelayUrl};
+use sinks::JetStreamConfig;
+
+/// Where the leader lease lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseKind {
+    /// Redis (default with `REDIS_URL`).
+    Redis,
+    /// A NATS JetStream KV bucket (default with `NATS_URL` and no `REDIS_URL`).
+    Nats,
+    /// A lock file in the data directory (one machine).
+    Local,
+}
+
+/// Where cursors are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Redis, fenced by the Redis lease (default with `REDIS_URL`).
+    Redis,
+    /// NATS KV, fenced by token with compare-and-set (default with the NATS lease).
+    Nats,
+    /// Files in the data directory, fenced by the local lease file (default without).
+    File,
+    /// Postgres (`DATABASE_URL`), fenced by the highest token presented.
+    Postgres,
+}
+
+/// Which sink `FIREKEEPER_SINK` names (its own settings complete it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkName {
+    /// JSON lines.
+    Jsonl,
+    /// Postgres rows.
+    Postgres,
+    /// Batched POSTs.
+    Webhook,
+    /// A JetStream stream.
+    Nats,
+    /// Discard.
+    Null,
+}
+
+/// What the chain check does with a break (`off` turns the check off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainMode {
+    /// Count and log.
+    Count,
+    /// Also hand the sink a `#chain-break` event.
+    Emit,
+    /// No chain check.
+    Off,
+}
+
+/// The log format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// One JSON object per line.
+    Json,
+    /// Human-readable text.
+    Text,
+}
+
+/// A type a choice setting parses into: its words, each with its value, in one list.
+pub trait Choice: Copy + PartialEq + 'static {
+    /// Every accepted word and the value it means (the first word of a value is the one
+    /// shown as its default).
+    const WORDS: &'static [(&'static str, Self)];
+}
+
+macro_rules! words {
+    ($t:ty: $($w:literal => $v:expr),+ $(,)?) => {
+        impl Choice for $t {
+            const WORDS: &'static [(&'static str, Self)] = &[$(($w, $v)),+];
+        }
+    };
+}
+
+words!(LeaseKind: "redis" => LeaseKind::Redis, "nats" => LeaseKind::Nats, "local" => LeaseKind::Local);
+words!(StoreKind: "redis" => StoreKind::Redis, "nats" => StoreKind::Nats, "file" => StoreKind::File, "postgres" => StoreKind::Postgres);
+words!(SinkName: "jsonl" => SinkName::Jsonl, "postgres" => SinkName::Postgres, "webhook" => SinkName::Webhook, "nats" => SinkName::Nats, "null" => SinkName::Null);
+words!(FutureCursorPolicy: "fail" => FutureCursorPolicy::Fail, "live" => FutureCursorPolicy::GoLive);
+words!(GapPolicy: "fail" => GapPolicy::Fail, "live" => GapPolicy::Live);
+words!(ChainMode: "count" => ChainMode::Count, "emit" => ChainMode::Emit, "off" => ChainMode::Off);
+words!(VerifyMode: "off" => VerifyMode::Off, "signatures" => VerifyMode::Signatures, "full" => VerifyMode::Full);
+words!(bool: "true" => true, "false" => false, "1" => true, "0" => false, "yes" => true, "no" => false);
+words!(InvalidPolicy: "mark" => InvalidPolicy::Mark, "fail" => InvalidPolicy::Fail);
+words!(BadFramePolicy: "fail" => BadFramePolicy::Fail, "skip" => BadFramePolicy::Skip);
+words!(LogFormat: "json" => LogFormat::Json, "text" => LogFormat::Text);
+
+/// The words of `T`, for the README and error messages.
+fn words<T: Choice>() -> Vec<&'static str> {
+    T::WORDS.iter().map(|(w, _)| *w).collect()
+}
+
+/// The word shown for `v`.
+fn word<T: Choice>(v: T) -> String {
+    T::WORDS.iter().find(|(_, x)| *x == v).map_or_else(String::new, |(w, _)| (*w).to_owned())
+}
+
+/// Parses one of `T`'s words.
+fn choose<T: Choice>(v: &str) -> Result<T, String> {
+    T::WORDS.iter().find(|(w, _)| *w == v).map(|(_, x)| *x).ok_or_else(|| format!("must be {}", or_list(&words::<T>())))
+}
+
+/// `a, b or c`.
+fn or_list(choices: &[&str]) -> String {
+    match choices {
+        [] => String::new(),
+        [one] => (*one).to_owned(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
+
+/// A positive number of milliseconds.
+fn millis(v: &str) -> Result<Duration, String> {
+    match v.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(Duration::from_millis(n)),
+        _ => Err("is not a positive number of milliseconds".into()),
+    }
+}
+
+/// A whole number in `1..=max`, converted to the field's type.
+fn count<T: TryFrom<usize>>(v: &str, max: usize) -> Result<T, String> {
+    let bad = || format!("must be a whole number in 1..={max}");
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 && n <= max => T::try_from(n).map_err(|_| bad()),
+        _ => Err(bad()),
+    }
+}
+
+/// What the environment sets, typed, before the settings are checked against each other
+/// ([`crate::config::Config`]'s `TryFrom`). Its `Default` is the libraries' defaults.
+#[derive(Debug, Clone)]
+pub struct Raw {
+    pub relay: Option<RelayUrl>,
+    pub relay_secondary: Option<RelayUrl>,
+    pub redis_url: Option<String>,
+    pub database_url: Option<String>,
+    pub nats_url: Option<String>,
+    pub nats_creds: Option<PathBuf>,
+    pub nats_token: Option<String>,
+    /// `None`: derived from the URLs set.
+    pub lease_backend: Option<LeaseKind>,
+    /// `None`: the lease backend's store.
+    pub store: Option<StoreKind>,
+    pub sink: SinkName,
+    pub jetstream: JetStreamConfig,
+    pub jsonl_path: String,
+    pub webhook_url: Option<String>,
+    pub webhook_batch: usize,
+    pub webhook_timeout: Duration,
+    pub data_dir: PathBuf,
+    pub lease: LeaseConfig,
+    pub legacy_cursor_prefix: Option<String>,
+    /// `None`: off.
+    pub http_addr: Option<SocketAddr>,
+    pub client: ClientConfig,
+    pub options: Options,
+    pub chain: ChainMode,
+    pub instance_id: Option<String>,
+    pub log: LogFormat,
+}
+
+impl Default for Raw {
+    fn default() -> Self {
+        let options = Options::default();
+        Self {
+            relay: RelayUrl::parse("wss://bsky.network").ok(),
+            relay_secondary: None,
+            redis_url: None,
+            database_url: None,
+            nats_url: None,
+            nats_creds: None,
+            nats_token: None,
+            lease_backend: None,
+            store: None,
+            sink: SinkName::Jsonl,
+            jetstream: JetStreamConfig::default(),
+            jsonl_path: "-".into(),
+            webhook_url: None,
+            webhook_batch: 100,
+            webhook_timeout: Duration::from_secs(5),
+            data_dir: PathBuf::from("firekeeper-data"),
+            lease: LeaseConfig::default(),
+            legacy_cursor_prefix: None,
+            http_addr: "127.0.0.1:9090".parse().ok(),
+            client: ClientConfig::default(),
+            chain: match options.chain_breaks {
+                ChainBreaks::Count => ChainMode::Count,
+                ChainBreaks::Emit => ChainMode::Emit,
+            },
+            options,
+            instance_id: None,
+            log: LogFormat::Json,
+        }
+    }
+}
+
+/// How a setting's value is shown and parsed.
+#[derive(Debug, Clone, Copy)]
 pub enum Kind {
     /// A `ws://` or `wss://` relay URL (shown by fingerprint only).
     Url,
@@ -14,24 +223,26 @@ pub enum Kind {
     /// A positive number of milliseconds.
     Millis,
     /// A whole number in `1..=max`.
-    Count(usize),
-    /// One of these words.
-    Choice(&'static [&'static str]),
-    /// A conventional variable read by a library (`REDIS_URL`, `RUST_LOG`, `OTEL_*`).
+    Count,
+    /// One of a type's words ([`Choice::WORDS`]).
+    Choice,
+    /// A conventional variable (`REDIS_URL`, `RUST_LOG`, `OTEL_*`): URLs shown by host only.
     External,
 }
 
 /// One setting.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct Setting {
     /// The environment variable.
     pub name: &'static str,
-    /// The value used when it is unset (empty: none, or derived from other settings).
-    pub default: &'static str,
-    /// How the README shows the default when it is not a literal value.
-    pub shown: Option<&'static str>,
-    /// Its parser.
+    /// How the value is shown and parsed.
     pub kind: Kind,
+    /// Writes a set value into [`Raw`]; the error says what is wrong (never the value).
+    pub apply: fn(&mut Raw, &str) -> Result<(), String>,
+    /// The default value, from [`Raw::default`] (the libraries' defaults).
+    pub default: fn(&Raw) -> String,
+    /// How the README shows the default when it is not one literal value.
+    pub shown: Option<&'static str>,
     /// What it does.
     pub help: &'static str,
 }
@@ -40,17 +251,205 @@ impl Setting {
     /// The README's default cell.
     #[must_use]
     pub fn default_cell(&self) -> String {
-        self.shown.map_or_else(|| format!("`{}`", self.default), str::to_owned)
+        self.shown.map_or_else(|| format!("`{}`", (self.default)(&Raw::default())), str::to_owned)
     }
 }
 
-/// Looks a setting up by variable name.
-///
-/// # Panics
-/// On a name that is not in [`SETTINGS`] (a programming error caught by every test run).
+/// A duration's milliseconds, as set.
+fn ms(d: Duration) -> String {
+    d.as_millis().to_string()
+}
+
+macro_rules! setting {
+    ($name:literal, $kind:expr, |$r:ident, $v:ident| $apply:expr, |$d:ident| $default:expr, $help:literal $(,)?) => {
+        Setting {
+            name: $name,
+            kind: $kind,
+            apply: |$r, $v| {
+                $apply;
+                Ok(())
+            },
+            default: |$d| $default,
+            shown: None,
+            help: $help,
+        }
+    };
+    ($name:literal, $kind:expr, |$r:ident, $v:ident| $apply:expr, shown $shown:literal, $help:literal $(,)?) => {
+        Setting {
+            name: $name,
+            kind: $kind,
+            apply: |$r, $v| {
+                $apply;
+                Ok(())
+            },
+            default: |_| String::new(),
+            shown: Some($shown),
+            help: $help,
+        }
+    };
+}
+
+macro_rules! millis {
+    ($name:literal, $($f:ident).+, $help:literal) => {
+        setting!($name, Kind::Millis, |r, v| r.$($f).+ = millis(v)?, |d| ms(d.$($f).+), $help)
+    };
+}
+
+macro_rules! count {
+    ($name:literal, $max:expr, $($f:ident).+, $help:literal) => {
+        setting!($name, Kind::Count, |r, v| r.$($f).+ = count(v, $max)?, |d| d.$($f).+.to_string(), $help)
+    };
+}
+
+macro_rules! choice {
+    ($name:literal, $t:ty, $($f:ident).+, $help:literal) => {
+        setting!($name, Kind::Choice, |r, v| r.$($f).+ = choose::<$t>(v)?, |d| word(d.$($f).+), $help)
+    };
+}
+
+macro_rules! text {
+    ($name:literal, $kind:expr, $($f:ident).+, $shown:literal, $help:literal) => {
+        setting!($name, $kind, |r, v| r.$($f).+ = Some(v.into()), shown $shown, $help)
+    };
+}
+
+/// A variable a library reads itself (listed, so it is documented and shown).
+macro_rules! external {
+    ($name:literal, |$d:ident| $default:expr, $help:literal) => {
+        Setting {
+            name: $name,
+            kind: Kind::External,
+            apply: |_, _| Ok(()),
+            default: |$d| $default,
+            shown: None,
+            help: $help,
+        }
+    };
+    ($name:literal, shown $shown:literal, $help:literal) => {
+        Setting {
+            name: $name,
+            kind: Kind::External,
+            apply: |_, _| Ok(()),
+            default: |_| String::new(),
+            shown: Some($shown),
+            help: $help,
+        }
+    };
+}
+
+/// Parses a relay URL without echoing it (it may carry credentials).
+fn relay(v: &str) -> Result<Option<RelayUrl>, String> {
+    RelayUrl::parse(v).map(Some).map_err(|e| e.to_string())
+}
+
+/// Every setting firekeeper reads, one per line: variable, where it goes, default, help.
+#[rustfmt::skip]
+pub const SETTINGS: &[Setting] = &[
+    setting!("FIREKEEPER_RELAY", Kind::Url, |r, v| r.relay = relay(v)?, |_d| "wss://bsky.network".into(), "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added)"),
+    setting!("FIREKEEPER_RELAY_SECONDARY", Kind::Url, |r, v| r.relay_secondary = relay(v)?, shown "none", "secondary relay; used after repeated primary failures, with failback probing"),
+    text!("REDIS_URL", Kind::External, redis_url, "none", "enables the Redis lease and (by default) the Redis cursor store"),
+    text!("DATABASE_URL", Kind::External, database_url, "none", "Postgres for the `postgres` sink and cursor store"),
+    text!("NATS_URL", Kind::External, nats_url, "none", "NATS with JetStream (`nats://host:port`) for the `nats` lease, cursor store and sink; shown by host and port only"),
+    text!("NATS_CREDS", Kind::Text, nats_creds, "none", "path of a NATS `.creds` file (JWT and seed), if the server wants one"),
+    text!("NATS_TOKEN", Kind::Secret, nats_token, "none", "NATS auth token, if the server wants one (never logged)"),
+    setting!("FIREKEEPER_LEASE_BACKEND", Kind::Choice, |r, v| r.lease_backend = Some(choose(v)?), shown "`redis` with `REDIS_URL`, else `nats` with `NATS_URL`, else `local`", "where the leader lease lives: `redis`, `nats` (a JetStream KV bucket whose entries expire after the ttl) or `local` (a lock file: one machine)"),
+    setting!("FIREKEEPER_CURSOR_STORE", Kind::Choice, |r, v| r.store = Some(choose(v)?), shown "the lease backend's (`redis`, `nats`), else `file`", "`redis`, `nats`, `file` or `postgres`"),
+    choice!("FIREKEEPER_SINK", SinkName, sink, "`jsonl`, `postgres`, `webhook`, `nats` (a JetStream stream) or `null`"),
+    setting!("FIREKEEPER_NATS_STREAM", Kind::Text, |r, v| r.jetstream.stream = v.into(), |d| d.jetstream.stream.clone(), "the `nats` sink's stream, created if missing (file storage, limits retention)"),
+    setting!("FIREKEEPER_NATS_SUBJECT_PREFIX", Kind::Text, |r, v| r.jetstream.subject_prefix = v.into(), |d| d.jetstream.subject_prefix.clone(), "the `nats` sink publishes to `<prefix>.events.<collection or type>` (or `<prefix>.events.p<N>` with partitions)"),
+    setting!("FIREKEEPER_NATS_PARTITIONS", Kind::Count, |r, v| r.jetstream.partitions = count(v, 1024)?, shown "none", "publish to `<prefix>.events.p<N>`, N = FNV-1a of the repo's DID modulo this, so consumer groups split the work with each repo in one partition, in order"),
+    millis!("FIREKEEPER_NATS_MAX_AGE_MS", jetstream.max_age, "how long the stream keeps events (set on creation)"),
+    millis!("FIREKEEPER_NATS_DUPLICATE_WINDOW_MS", jetstream.duplicate_window, "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<seq>:<event key>`) to drop events a new leader publishes again: keep it well above the lease ttl"),
+    setting!("FIREKEEPER_JSONL_PATH", Kind::Text, |r, v| r.jsonl_path = v.into(), shown "`-` (stdout)", "file the `jsonl` sink appends to"),
+    text!("FIREKEEPER_WEBHOOK_URL", Kind::Secret, webhook_url, "none", "`http(s)://` target of the `webhook` sink (never logged)"),
+    count!("FIREKEEPER_WEBHOOK_BATCH", 10_000, webhook_batch, "events per POST (`application/x-ndjson`)"),
+    millis!("FIREKEEPER_WEBHOOK_TIMEOUT_MS", webhook_timeout, "per-request timeout; failures retry with backoff, the cursor moves only after 2xx"),
+    setting!("FIREKEEPER_COLLECTIONS", Kind::Text, |r, v| r.options.collections = collections(v)?, shown "all", "comma-separated NSIDs or `prefix.*` (e.g. `app.bsky.feed.*`); filters commit ops"),
+    setting!("FIREKEEPER_DATA_DIR", Kind::Text, |r, v| r.data_dir = v.into(), |d| d.data_dir.display().to_string(), "local lease file and file cursors"),
+    setting!("FIREKEEPER_KEY_PREFIX", Kind::Text, |r, v| r.lease.key_prefix = v.into(), |d| d.lease.key_prefix.clone(), "Redis keys are `{prefix}:lease`, `{prefix}:fence`, `{prefix}:cursor:<fingerprint>` (one hash tag); NATS buckets `<prefix>-lease` and `<prefix>-state` (with NATS the prefix must be letters, digits, `_` or `-`: other characters are refused, never folded)"),
+    text!("FIREKEEPER_LEGACY_CURSOR_PREFIX", Kind::Text, legacy_cursor_prefix, "none", "migrate legacy `<prefix>:<host>` cursors (root relay URLs only)"),
+    millis!("FIREKEEPER_LEASE_TTL_MS", lease.ttl, "lease key ttl"),
+    millis!("FIREKEEPER_LEASE_RENEW_MS", lease.renew_every, "renewal interval"),
+    millis!("FIREKEEPER_LEASE_OP_TIMEOUT_MS", lease.op_timeout, "hard timeout of every Redis call"),
+    millis!("FIREKEEPER_LEASE_MARGIN_MS", lease.margin, "the leader stops acting this long before the key could expire"),
+    millis!("FIREKEEPER_LEASE_POLL_MS", lease.poll, "standby poll (±20 % jitter); standbys also wake on release"),
+    millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed"),
+    millis!("FIREKEEPER_DRAIN_BUDGET_MS", options.drain_budget, "step-down drain budget"),
+    setting!("FIREKEEPER_HTTP_ADDR", Kind::Text, |r, v| r.http_addr = http_addr(v)?, |d| d.http_addr.map_or_else(|| "off".into(), |a| a.to_string()), "`/healthz`, `/readyz`, `/metrics`, `/status`; `off` disables"),
+    count!("FIREKEEPER_LANES", 256, options.lanes, "processing lanes; one repo's events always share a lane (order per repo)"),
+    count!("FIREKEEPER_QUEUE_DEPTH", 1 << 20, options.queue_depth, "events queued per lane before the socket is pushed back on"),
+    millis!("FIREKEEPER_CONNECT_TIMEOUT_MS", client.connect_timeout, "relay handshake budget"),
+    millis!("FIREKEEPER_STALL_TIMEOUT_MS", client.stall_timeout, "reconnect when no data frame arrives for this long"),
+    count!("FIREKEEPER_FAILOVER_AFTER", 1000, client.failover_after, "consecutive failed connections before switching relays"),
+    millis!("FIREKEEPER_PROBE_INTERVAL_MS", client.probe_interval, "while on the secondary, how often the primary is probed for failback"),
+    choice!("FIREKEEPER_FUTURE_CURSOR", FutureCursorPolicy, client.future_cursor, "on `FutureCursor`: `fail` (stop, an operator looks) or `live` (accept the gap: the stored cursor is rewound, fenced, to just before the first live seq; logged with the range and counted in `firekeeper_gaps_total`)"),
+    millis!("FIREKEEPER_SWITCH_OVERLAP_MS", options.switch_overlap, "on a relay switch, resume this far (relay time) before the committed position and drop what was already handed over: `#commit`/`#sync` whose rev is not newer than the repo's last delivered, `#identity`/`#account` with the same (did, time); counted in `firekeeper_switch_duplicates_dropped_total`"),
+    count!("FIREKEEPER_SWITCH_MAX_PROBES", 1000, options.switch_max_probes, "at most this many `cursor=` probes (each bounded by the connect timeout) to find the start on the relay switched to; counted in `firekeeper_switch_probes_total`"),
+    choice!("FIREKEEPER_GAP", GapPolicy, options.gap, "when the relay switched to does not serve events back to where the other stopped: `fail` (refuse the switch: stay leader, keep retrying the relay that has the events, re-probe the other every `FIREKEEPER_PROBE_INTERVAL_MS`, not ready on `/readyz`, the missing range in `/status` as `refused_switch`, counted in `firekeeper_switch_refused_total`; nothing exits) or `live` (start at its oldest event; logged, counted in `firekeeper_gaps_total{reason=\"switch\"}`, shown as `last_gap` in `/status`)"),
+    millis!("FIREKEEPER_SWITCH_SKEW_MS", options.switch_skew, "how far PDS clocks are trusted on a switch: event times ahead of this process's clock by more are clamped, and a relay whose oldest events are older than the committed position less this has no gap (a shorter overlap, counted in `firekeeper_switch_overlap_short_total`)"),
+    choice!("FIREKEEPER_CHAIN_BREAKS", ChainMode, chain, "per-repo chain check (sync 1.1): a `#commit` whose `since` is not the last rev seen for its repo means the relay skipped a commit of it; `count` (log it, `firekeeper_repo_chain_breaks_total`), `emit` (also hand the sink a `#chain-break` event naming the repo and the revs, just before that commit, so downstream can resync the repo) or `off`"),
+    count!("FIREKEEPER_CHAIN_REPOS", 100_000_000, options.chain_repos, "how many recently seen repos the chain check remembers (about 36 bytes each: 34 MiB resident for the default, measured by `make bench`)"),
+    choice!("FIREKEEPER_VERIFY", VerifyMode, options.verify.mode, "verify every `#commit` and `#sync` against its repo's key before the sink sees it: `signatures` (the signed commit: CAR root, commit CID, repo, version, low-S ECDSA), `full` (also every block's CID, every op's record, the MST inversion back to `prevData` and the repo's chain; recommended unless you trust the relay) or `off`"),
+    choice!("FIREKEEPER_VERIFY_STRICT", bool, options.verify.strict, "with `FIREKEEPER_VERIFY=full`: a commit whose MST inversion cannot complete (a block missing, no `prevData`) is `#invalid` (`mst`) instead of counted in `firekeeper_verify_unproven_total` and delivered"),
+    choice!("FIREKEEPER_INVALID", InvalidPolicy, options.verify.invalid, "what an event that fails verification does: `mark` (the sink gets a `#invalid` event at its seq instead, the cursor passes it, the repo is listed as desynchronised) or `fail` (commit everything before it and stop with an error naming it)"),
+    setting!("FIREKEEPER_PLC_URL", Kind::Secret, |r, v| r.options.verify.resolver.plc_url = v.into(), |d| d.options.verify.resolver.plc_url.clone(), "the PLC directory `did:plc` documents are resolved from (`GET <url>/<did>`; `did:web` documents come from `https://<host>/.well-known/did.json`)"),
+    count!("FIREKEEPER_DID_CACHE_SIZE", 100_000_000, options.verify.resolver.cache_size, "DIDs whose resolved key is kept in memory"),
+    millis!("FIREKEEPER_DID_CACHE_TTL_MS", options.verify.resolver.ttl, "how long a resolved DID document is used before it is asked for again (in the background: the old one serves meanwhile); a `#identity` event or a failed signature asks at once"),
+    millis!("FIREKEEPER_RESOLVE_TIMEOUT_MS", options.verify.resolve_timeout, "how long an event whose DID does not resolve (directory down or failing, DID unknown) is held, retried with backoff, before it is `#invalid` with reason `unresolved`; meanwhile the cursor stays before it and its lane waits"),
+    count!("FIREKEEPER_RESOLVE_CONCURRENCY", 1024, options.verify.resolver.concurrency, "requests to the DID directory at a time"),
+    choice!("FIREKEEPER_BAD_FRAME", BadFramePolicy, client.bad_frame, "a frame that has a seq but cannot be decoded or rendered, or is over the frame limit: `fail` (commit what came before it, stop leading with an error naming the seq) or `skip` (count it in `firekeeper_bad_frames_total{action=\"skipped\"}` and move the cursor past it)"),
+    count!("FIREKEEPER_MAX_FRAME_BYTES", 1 << 30, client.max_frame_bytes, "largest WebSocket message accepted; with `skip`, one reconnect reads an oversized frame with a raised limit (64 MiB or 4×) only to learn its seq"),
+    choice!("FIREKEEPER_VERIFY_BLOCKS", bool, options.verify_blocks, "check every CAR block's sha256 against its CID"),
+    text!("FIREKEEPER_INSTANCE_ID", Kind::Text, instance_id, "random", "this replica's id in the lease value"),
+    choice!("FIREKEEPER_LOG_FORMAT", LogFormat, log, "`json` or `text` (to stderr)"),
+    external!("RUST_LOG", |_d| "info".into(), "log filter"),
+    external!("OTEL_EXPORTER_OTLP_ENDPOINT", shown "none", "enables OTLP/HTTP (protobuf) traces: spans per term, relay connection and commit"),
+    external!("OTEL_SERVICE_NAME", |_d| "firekeeper".into(), "service name on traces"),
+];
+
+/// `FIREKEEPER_COLLECTIONS`: comma-separated NSIDs or `prefix.*`.
+fn collections(v: &str) -> Result<Option<CollectionFilter>, String> {
+    let entries: Vec<String> = v.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+    CollectionFilter::new(entries).map_err(|bad| format!("entry {bad:?} is not an NSID or `prefix.*`"))
+}
+
+/// `FIREKEEPER_HTTP_ADDR`: `host:port` or `off`.
+fn http_addr(v: &str) -> Result<Option<SocketAddr>, String> {
+    if v == "off" {
+        return Ok(None);
+    }
+    v.parse().map(Some).map_err(|_| "is not host:port (or off)".into())
+}
+
+/// The variable's value when set (trimmed; empty counts as unset).
+fn value<'a>(vars: &'a HashMap<String, String>, name: &str) -> Option<&'a str> {
+    vars.get(name).map(|v| v.trim()).filter(|v| !v.is_empty())
+}
+
+/// Reads every setting from `vars` into [`Raw`]: every problem is listed, each naming its
+/// variable (and its value only where it cannot carry a credential); unknown
+/// `FIREKEEPER_*` variables are refused, since a typo must not fall back to a default.
 #[must_use]
-pub fn setting(name: &str) -> &'static Setting {
-    SETTINGS.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("{name} is not in SETTINGS"))
+pub fn read(vars: &HashMap<String, String>) -> (Raw, Vec<String>) {
+    let mut raw = Raw::default();
+    let mut errors = Vec::new();
+    for s in SETTINGS {
+        let Some(v) = value(vars, s.name) else { continue };
+        if let Err(e) = (s.apply)(&mut raw, v) {
+            errors.push(match s.kind {
+                Kind::Url | Kind::Secret | Kind::External => format!("{}: {e}", s.name),
+                _ => format!("{}={v:?} {e}", s.name),
+            });
+        }
+    }
+    let mut unknown: Vec<String> = vars
+        .keys()
+        .filter(|k| k.starts_with("FIREKEEPER_") && !SETTINGS.iter().any(|s| s.name == k.as_str()))
+        .map(|u| format!("{u} is not a firekeeper setting (see the README's table)"))
+        .collect();
+    unknown.sort();
+    errors.extend(unknown);
+    (raw, errors)
 }
 
 /// The README's configuration table, one row per setting.
@@ -67,15 +466,14 @@ pub fn markdown_table() -> String {
 /// One line per setting for `check-config`: its value as set (relay URLs by
 /// fingerprint, secrets hidden) or its default.
 #[must_use]
-pub fn effective(vars: &std::collections::HashMap<String, String>) -> Vec<String> {
+pub fn effective(vars: &HashMap<String, String>) -> Vec<String> {
     SETTINGS
         .iter()
         .map(|s| {
-            let set = vars.get(s.name).map(|v| v.trim()).filter(|v| !v.is_empty());
-            let shown = match (set, s.kind) {
+            let shown = match (value(vars, s.name), s.kind) {
                 (None, _) => format!("{} (default)", s.default_cell()),
                 (Some(_), Kind::Secret) => "(set, hidden)".to_owned(),
-                (Some(v), Kind::Url) => relay_client::RelayUrl::parse(v)
+                (Some(v), Kind::Url) => RelayUrl::parse(v)
                     .map_or_else(|_| "(invalid)".to_owned(), |u| format!("fingerprint {}", u.fingerprint())),
                 (Some(v), Kind::External) if s.name.ends_with("_URL") => url::Url::parse(v).map_or_else(
                     |_| "(set)".to_owned(),
@@ -87,424 +485,6 @@ pub fn effective(vars: &std::collections::HashMap<String, String>) -> Vec<String
         })
         .collect()
 }
-
-/// Every setting firekeeper reads.
-pub const SETTINGS: &[Setting] = &[
-    Setting {
-        name: "FIREKEEPER_RELAY",
-        default: "wss://bsky.network",
-        shown: None,
-        kind: Kind::Url,
-        help: "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added)",
-    },
-    Setting {
-        name: "FIREKEEPER_RELAY_SECONDARY",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::Url,
-        help: "secondary relay; used after repeated primary failures, with failback probing",
-    },
-    Setting {
-        name: "REDIS_URL",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::External,
-        help: "enables the Redis lease and (by default) the Redis cursor store",
-    },
-    Setting {
-        name: "DATABASE_URL",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::External,
-        help: "Postgres for the `postgres` sink and cursor store",
-    },
-    Setting {
-        name: "NATS_URL",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::External,
-        help: "NATS with JetStream (`nats://host:port`) for the `nats` lease, cursor store and sink; shown by host and port only",
-    },
-    Setting {
-        name: "NATS_CREDS",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::Text,
-        help: "path of a NATS `.creds` file (JWT and seed), if the server wants one",
-    },
-    Setting {
-        name: "NATS_TOKEN",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::Secret,
-        help: "NATS auth token, if the server wants one (never logged)",
-    },
-    Setting {
-        name: "FIREKEEPER_LEASE_BACKEND",
-        default: "",
-        shown: Some("`redis` with `REDIS_URL`, else `nats` with `NATS_URL`, else `local`"),
-        kind: Kind::Choice(&["redis", "nats", "local"]),
-        help: "where the leader lease lives: `redis`, `nats` (a JetStream KV bucket whose entries expire after the ttl) or `local` (a lock file: one machine)",
-    },
-    Setting {
-        name: "FIREKEEPER_CURSOR_STORE",
-        default: "",
-        shown: Some("the lease backend's (`redis`, `nats`), else `file`"),
-        kind: Kind::Choice(&["redis", "nats", "file", "postgres"]),
-        help: "`redis`, `nats`, `file` or `postgres`",
-    },
-    Setting {
-        name: "FIREKEEPER_SINK",
-        default: "jsonl",
-        shown: None,
-        kind: Kind::Choice(&["jsonl", "postgres", "webhook", "nats", "null"]),
-        help: "`jsonl`, `postgres`, `webhook`, `nats` (a JetStream stream) or `null`",
-    },
-    Setting {
-        name: "FIREKEEPER_NATS_STREAM",
-        default: "FIREKEEPER",
-        shown: None,
-        kind: Kind::Text,
-        help: "the `nats` sink's stream, created if missing (file storage, limits retention)",
-    },
-    Setting {
-        name: "FIREKEEPER_NATS_SUBJECT_PREFIX",
-        default: "firekeeper",
-        shown: None,
-        kind: Kind::Text,
-        help: "the `nats` sink publishes to `<prefix>.events.<collection or type>` (or `<prefix>.events.p<N>` with partitions)",
-    },
-    Setting {
-        name: "FIREKEEPER_NATS_PARTITIONS",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::Count(1024),
-        help: "publish to `<prefix>.events.p<N>`, N = FNV-1a of the repo's DID modulo this, so consumer groups split the work with each repo in one partition, in order",
-    },
-    Setting {
-        name: "FIREKEEPER_NATS_MAX_AGE_MS",
-        default: "604800000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "how long the stream keeps events (set on creation)",
-    },
-    Setting {
-        name: "FIREKEEPER_NATS_DUPLICATE_WINDOW_MS",
-        default: "120000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<seq>:<event key>`) to drop events a new leader publishes again: keep it well above the lease ttl",
-    },
-    Setting {
-        name: "FIREKEEPER_JSONL_PATH",
-        default: "-",
-        shown: Some("`-` (stdout)"),
-        kind: Kind::Text,
-        help: "file the `jsonl` sink appends to",
-    },
-    Setting {
-        name: "FIREKEEPER_WEBHOOK_URL",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::Secret,
-        help: "`http(s)://` target of the `webhook` sink (never logged)",
-    },
-    Setting {
-        name: "FIREKEEPER_WEBHOOK_BATCH",
-        default: "100",
-        shown: None,
-        kind: Kind::Count(10_000),
-        help: "events per POST (`application/x-ndjson`)",
-    },
-    Setting {
-        name: "FIREKEEPER_WEBHOOK_TIMEOUT_MS",
-        default: "5000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "per-request timeout; failures retry with backoff, the cursor moves only after 2xx",
-    },
-    Setting {
-        name: "FIREKEEPER_COLLECTIONS",
-        default: "",
-        shown: Some("all"),
-        kind: Kind::Text,
-        help: "comma-separated NSIDs or `prefix.*` (e.g. `app.bsky.feed.*`); filters commit ops",
-    },
-    Setting {
-        name: "FIREKEEPER_DATA_DIR",
-        default: "firekeeper-data",
-        shown: None,
-        kind: Kind::Text,
-        help: "local lease file and file cursors",
-    },
-    Setting {
-        name: "FIREKEEPER_KEY_PREFIX",
-        default: "firekeeper",
-        shown: None,
-        kind: Kind::Text,
-        help: "Redis keys are `{prefix}:lease`, `{prefix}:fence`, `{prefix}:cursor:<fingerprint>` (one hash tag); NATS buckets `<prefix>-lease` and `<prefix>-state` (with NATS the prefix must be letters, digits, `_` or `-`: other characters are refused, never folded)",
-    },
-    Setting {
-        name: "FIREKEEPER_LEGACY_CURSOR_PREFIX",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::Text,
-        help: "migrate legacy `<prefix>:<host>` cursors (root relay URLs only)",
-    },
-    Setting {
-        name: "FIREKEEPER_LEASE_TTL_MS",
-        default: "10000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "lease key ttl",
-    },
-    Setting {
-        name: "FIREKEEPER_LEASE_RENEW_MS",
-        default: "2000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "renewal interval",
-    },
-    Setting {
-        name: "FIREKEEPER_LEASE_OP_TIMEOUT_MS",
-        default: "1000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "hard timeout of every Redis call",
-    },
-    Setting {
-        name: "FIREKEEPER_LEASE_MARGIN_MS",
-        default: "2500",
-        shown: None,
-        kind: Kind::Millis,
-        help: "the leader stops acting this long before the key could expire",
-    },
-    Setting {
-        name: "FIREKEEPER_LEASE_POLL_MS",
-        default: "1000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "standby poll (±20 % jitter); standbys also wake on release",
-    },
-    Setting {
-        name: "FIREKEEPER_COMMIT_INTERVAL_MS",
-        default: "1000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "how often the processed watermark is committed",
-    },
-    Setting {
-        name: "FIREKEEPER_DRAIN_BUDGET_MS",
-        default: "10000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "step-down drain budget",
-    },
-    Setting {
-        name: "FIREKEEPER_HTTP_ADDR",
-        default: "127.0.0.1:9090",
-        shown: None,
-        kind: Kind::Text,
-        help: "`/healthz`, `/readyz`, `/metrics`, `/status`; `off` disables",
-    },
-    Setting {
-        name: "FIREKEEPER_LANES",
-        default: "4",
-        shown: None,
-        kind: Kind::Count(256),
-        help: "processing lanes; one repo's events always share a lane (order per repo)",
-    },
-    Setting {
-        name: "FIREKEEPER_QUEUE_DEPTH",
-        default: "1024",
-        shown: None,
-        kind: Kind::Count(1 << 20),
-        help: "events queued per lane before the socket is pushed back on",
-    },
-    Setting {
-        name: "FIREKEEPER_CONNECT_TIMEOUT_MS",
-        default: "10000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "relay handshake budget",
-    },
-    Setting {
-        name: "FIREKEEPER_STALL_TIMEOUT_MS",
-        default: "60000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "reconnect when no data frame arrives for this long",
-    },
-    Setting {
-        name: "FIREKEEPER_FAILOVER_AFTER",
-        default: "3",
-        shown: None,
-        kind: Kind::Count(1000),
-        help: "consecutive failed connections before switching relays",
-    },
-    Setting {
-        name: "FIREKEEPER_PROBE_INTERVAL_MS",
-        default: "30000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "while on the secondary, how often the primary is probed for failback",
-    },
-    Setting {
-        name: "FIREKEEPER_FUTURE_CURSOR",
-        default: "fail",
-        shown: None,
-        kind: Kind::Choice(&["fail", "live"]),
-        help: "on `FutureCursor`: `fail` (stop, an operator looks) or `live` (accept the gap: the stored cursor is rewound, fenced, to just before the first live seq; logged with the range and counted in `firekeeper_gaps_total`)",
-    },
-    Setting {
-        name: "FIREKEEPER_SWITCH_OVERLAP_MS",
-        default: "30000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "on a relay switch, resume this far (relay time) before the committed position and drop what was already handed over: `#commit`/`#sync` whose rev is not newer than the repo's last delivered, `#identity`/`#account` with the same (did, time); counted in `firekeeper_switch_duplicates_dropped_total`",
-    },
-    Setting {
-        name: "FIREKEEPER_SWITCH_MAX_PROBES",
-        default: "40",
-        shown: None,
-        kind: Kind::Count(1000),
-        help: "at most this many `cursor=` probes (each bounded by the connect timeout) to find the start on the relay switched to; counted in `firekeeper_switch_probes_total`",
-    },
-    Setting {
-        name: "FIREKEEPER_GAP",
-        default: "fail",
-        shown: None,
-        kind: Kind::Choice(&["fail", "live"]),
-        help: "when the relay switched to does not serve events back to where the other stopped: `fail` (refuse the switch: stay leader, keep retrying the relay that has the events, re-probe the other every `FIREKEEPER_PROBE_INTERVAL_MS`, not ready on `/readyz`, the missing range in `/status` as `refused_switch`, counted in `firekeeper_switch_refused_total`; nothing exits) or `live` (start at its oldest event; logged, counted in `firekeeper_gaps_total{reason=\"switch\"}`, shown as `last_gap` in `/status`)",
-    },
-    Setting {
-        name: "FIREKEEPER_SWITCH_SKEW_MS",
-        default: "5000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "how far PDS clocks are trusted on a switch: event times ahead of this process's clock by more are clamped, and a relay whose oldest events are older than the committed position less this has no gap (a shorter overlap, counted in `firekeeper_switch_overlap_short_total`)",
-    },
-    Setting {
-        name: "FIREKEEPER_CHAIN_BREAKS",
-        default: "count",
-        shown: None,
-        kind: Kind::Choice(&["count", "emit", "off"]),
-        help: "per-repo chain check (sync 1.1): a `#commit` whose `since` is not the last rev seen for its repo means the relay skipped a commit of it; `count` (log it, `firekeeper_repo_chain_breaks_total`), `emit` (also hand the sink a `#chain-break` event naming the repo and the revs, just before that commit, so downstream can resync the repo) or `off`",
-    },
-    Setting {
-        name: "FIREKEEPER_CHAIN_REPOS",
-        default: "1000000",
-        shown: None,
-        kind: Kind::Count(100_000_000),
-        help: "how many recently seen repos the chain check remembers (about 36 bytes each: 34 MiB resident for the default, measured by `make bench`)",
-    },
-    Setting {
-        name: "FIREKEEPER_VERIFY",
-        default: "off",
-        shown: None,
-        kind: Kind::Choice(&["off", "signatures", "full"]),
-        help: "verify every `#commit` and `#sync` against its repo's key before the sink sees it: `signatures` (the signed commit: CAR root, commit CID, repo, version, low-S ECDSA), `full` (also every block's CID, every op's record, the MST inversion back to `prevData` and the repo's chain; recommended unless you trust the relay) or `off`",
-    },
-    Setting {
-        name: "FIREKEEPER_VERIFY_STRICT",
-        default: "false",
-        shown: None,
-        kind: Kind::Choice(&["true", "false", "1", "0", "yes", "no"]),
-        help: "with `FIREKEEPER_VERIFY=full`: a commit whose MST inversion cannot complete (a block missing, no `prevData`) is `#invalid` (`mst`) instead of counted in `firekeeper_verify_unproven_total` and delivered",
-    },
-    Setting {
-        name: "FIREKEEPER_INVALID",
-        default: "mark",
-        shown: None,
-        kind: Kind::Choice(&["mark", "fail"]),
-        help: "what an event that fails verification does: `mark` (the sink gets a `#invalid` event at its seq instead, the cursor passes it, the repo is listed as desynchronised) or `fail` (commit everything before it and stop with an error naming it)",
-    },
-    Setting {
-        name: "FIREKEEPER_PLC_URL",
-        default: "https://plc.directory",
-        shown: None,
-        kind: Kind::Secret,
-        help: "the PLC directory `did:plc` documents are resolved from (`GET <url>/<did>`; `did:web` documents come from `https://<host>/.well-known/did.json`)",
-    },
-    Setting {
-        name: "FIREKEEPER_DID_CACHE_SIZE",
-        default: "100000",
-        shown: None,
-        kind: Kind::Count(100_000_000),
-        help: "DIDs whose resolved key is kept in memory",
-    },
-    Setting {
-        name: "FIREKEEPER_DID_CACHE_TTL_MS",
-        default: "3600000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "how long a resolved DID document is used before it is asked for again (in the background: the old one serves meanwhile); a `#identity` event or a failed signature asks at once",
-    },
-    Setting {
-        name: "FIREKEEPER_RESOLVE_TIMEOUT_MS",
-        default: "120000",
-        shown: None,
-        kind: Kind::Millis,
-        help: "how long an event whose DID does not resolve (directory down or failing, DID unknown) is held, retried with backoff, before it is `#invalid` with reason `unresolved`; meanwhile the cursor stays before it and its lane waits",
-    },
-    Setting {
-        name: "FIREKEEPER_RESOLVE_CONCURRENCY",
-        default: "16",
-        shown: None,
-        kind: Kind::Count(1024),
-        help: "requests to the DID directory at a time",
-    },
-    Setting {
-        name: "FIREKEEPER_BAD_FRAME",
-        default: "fail",
-        shown: None,
-        kind: Kind::Choice(&["fail", "skip"]),
-        help: "a frame that has a seq but cannot be decoded or rendered, or is over the frame limit: `fail` (commit what came before it, stop leading with an error naming the seq) or `skip` (count it in `firekeeper_bad_frames_total{action=\"skipped\"}` and move the cursor past it)",
-    },
-    Setting {
-        name: "FIREKEEPER_MAX_FRAME_BYTES",
-        default: "5242880",
-        shown: None,
-        kind: Kind::Count(1 << 30),
-        help: "largest WebSocket message accepted; with `skip`, one reconnect reads an oversized frame with a raised limit (64 MiB or 4×) only to learn its seq",
-    },
-    Setting {
-        name: "FIREKEEPER_VERIFY_BLOCKS",
-        default: "false",
-        shown: None,
-        kind: Kind::Choice(&["true", "false", "1", "0", "yes", "no"]),
-        help: "check every CAR block's sha256 against its CID",
-    },
-    Setting {
-        name: "FIREKEEPER_INSTANCE_ID",
-        default: "",
-        shown: Some("random"),
-        kind: Kind::Text,
-        help: "this replica's id in the lease value",
-    },
-    Setting {
-        name: "FIREKEEPER_LOG_FORMAT",
-        default: "json",
-        shown: None,
-        kind: Kind::Choice(&["json", "text"]),
-        help: "`json` or `text` (to stderr)",
-    },
-    Setting { name: "RUST_LOG", default: "info", shown: None, kind: Kind::External, help: "log filter" },
-    Setting {
-        name: "OTEL_EXPORTER_OTLP_ENDPOINT",
-        default: "",
-        shown: Some("none"),
-        kind: Kind::External,
-        help: "enables OTLP/HTTP (protobuf) traces: spans per term, relay connection and commit",
-    },
-    Setting {
-        name: "OTEL_SERVICE_NAME",
-        default: "firekeeper",
-        shown: None,
-        kind: Kind::External,
-        help: "service name on traces",
-    },
-];
 
 #[cfg(test)]
 mod tests {
@@ -535,6 +515,29 @@ mod tests {
         assert!(!lines.contains("hunter2"), "{lines}");
         assert!(lines.contains("FIREKEEPER_LANES = `8`"), "{lines}");
         assert!(lines.contains("FIREKEEPER_QUEUE_DEPTH = `1024` (default)"), "{lines}");
+    }
+
+    /// Each setting parses by its type: a choice names all its words, a count its range
+    /// (the bound itself accepted), and nothing that may carry a credential is echoed.
+    #[test]
+    fn each_setting_parses_by_its_type() {
+        let read1 = |k: &str, v: &str| read(&[(k.to_owned(), v.to_owned())].into_iter().collect());
+        let (_, e) = read1("FIREKEEPER_GAP", "skip");
+        assert_eq!(e, ["FIREKEEPER_GAP=\"skip\" must be fail or live"]);
+        let (_, e) = read1("FIREKEEPER_VERIFY", "all");
+        assert_eq!(e, ["FIREKEEPER_VERIFY=\"all\" must be off, signatures or full"]);
+        let (r, e) = read1("FIREKEEPER_LANES", "256");
+        assert!(e.is_empty() && r.options.lanes == 256, "{e:?}");
+        let (_, e) = read1("FIREKEEPER_LANES", "257");
+        assert_eq!(e, ["FIREKEEPER_LANES=\"257\" must be a whole number in 1..=256"]);
+        let (r, e) = read1("FIREKEEPER_VERIFY_STRICT", "yes");
+        assert!(e.is_empty() && r.options.verify.strict, "{e:?}");
+        let (_, e) = read1("FIREKEEPER_RELAY_SECONDARY", "https://u:hunter2@relay.example");
+        assert!(e.len() == 1 && e[0].starts_with("FIREKEEPER_RELAY_SECONDARY: ") && !e[0].contains("hunter2"), "{e:?}");
+        for s in SETTINGS.iter().filter(|s| matches!(s.kind, Kind::Millis)) {
+            let (_, e) = read1(s.name, "0");
+            assert_eq!(e.len(), 1, "{}: 0 ms is refused", s.name);
+        }
     }
 
     #[test]
