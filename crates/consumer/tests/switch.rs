@@ -529,16 +529,31 @@ async fn a_failback_to_a_primary_whose_window_is_shorter_than_the_outage_is_refu
     let want = keys(&frames());
     let frames = frames();
     let addr = "127.0.0.1:0".parse().expect("addr");
-    let paced = SimConfig { initial_head: Some(0), rate: Some(250), ..SimConfig::default() };
-    let primary = RelaySim::start_with(frames.clone(), SimConfig { window_len: Some(20), ..paced.clone() }, addr)
+    // The primary keeps only its latest 20 events, so both relays are paced from the test
+    // once the leader is connected, in step: paced from their start, a slow first
+    // connection (a loaded CI machine) would already find the first events out of the
+    // primary's window.
+    let unpaced = SimConfig { initial_head: Some(0), ..SimConfig::default() };
+    let primary = RelaySim::start_with(frames.clone(), SimConfig { window_len: Some(20), ..unpaced.clone() }, addr)
         .await
         .expect("primary");
     let secondary =
-        RelaySim::start_with(relay_sim::reseq(&frames, 1_000_000, 16, 7), paced, addr).await.expect("secondary");
+        RelaySim::start_with(relay_sim::reseq(&frames, 1_000_000, 16, 7), unpaced, addr).await.expect("secondary");
     let dir = testkit::tmpdir("switch-failback-refused");
     let oracle = Arc::new(Oracle::default());
     let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
     on(&status, RelayRole::Primary, "leading on the primary").await;
+    let pacer = {
+        let (p, s, total) = (primary.handle(), secondary.handle(), frames.len());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(4));
+            for n in 1..=total {
+                tick.tick().await;
+                p.publish_up_to(n);
+                s.publish_up_to(n);
+            }
+        })
+    };
     delivered_at_least(&oracle, 300).await;
     primary.handle().set_down(true);
     on(&status, RelayRole::Secondary, "failover").await;
@@ -558,6 +573,7 @@ async fn a_failback_to_a_primary_whose_window_is_shorter_than_the_outage_is_refu
     run.await.expect("join").expect("clean stop");
     oracle.assert_exactly_once(&want);
     assert!(sampled > 1);
+    pacer.abort();
 }
 
 /// The leader crashes right after failing over to a secondary whose window is shorter
