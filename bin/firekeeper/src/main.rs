@@ -3,6 +3,7 @@
 //! A thin shell over the `consumer` crate: environment → configuration → builder → run,
 //! plus telemetry, HTTP and the operator commands. See `README.md`.
 
+mod advice;
 mod cli;
 mod commands;
 mod config;
@@ -51,8 +52,12 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %format!("{e:#}"), "firekeeper stopped with an error");
+            let hint = advice::advice(&e);
+            tracing::error!(error = %format!("{e:#}"), hint, "firekeeper stopped with an error");
             eprintln!("firekeeper: {e:#}");
+            if let Some(h) = hint {
+                eprintln!("  what to do: {h}");
+            }
             ExitCode::FAILURE
         }
     }

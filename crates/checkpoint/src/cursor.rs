@@ -60,7 +60,7 @@ pub enum StoreError {
     /// cannot tell which path it belonged to.
     #[error(
         "a legacy cursor key exists for host {host}, but this relay URL has a path, so it is ambiguous; \
-         preseed the cursor with `firekeeper cursor set` and delete the legacy key"
+         set this relay's cursor explicitly and delete the legacy key"
     )]
     LegacyAmbiguous {
         /// The host (with port) the legacy key is named after.

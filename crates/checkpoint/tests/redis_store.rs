@@ -180,7 +180,7 @@ async fn legacy_cursors_migrate_for_root_urls_only() {
     set(&redis, "wisp:firehose-cursor:relay.example:8443", b"5");
     let e = s.migrate_legacy(FP, "relay.example:8443", false).await.expect_err("ambiguous");
     assert!(matches!(&e, StoreError::LegacyAmbiguous { host } if host == "relay.example:8443"));
-    assert!(e.to_string().contains("firekeeper cursor set"));
+    assert!(e.to_string().contains("set this relay's cursor explicitly"), "{e}");
     assert_eq!(s.migrate_legacy(FP, "other.example", false).await, Ok(None), "no legacy key: nothing to do");
 }
 

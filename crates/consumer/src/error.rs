@@ -28,7 +28,9 @@ pub enum Error {
 #[derive(Debug, thiserror::Error)]
 pub enum Fatal {
     /// The relay rejected the cursor as ahead of its stream.
-    #[error("{0}; set FIREKEEPER_FUTURE_CURSOR=live to accept the gap, or fix the cursor with `firekeeper cursor set`")]
+    #[error(
+        "{0}; under the `fail` future-cursor policy nothing is skipped (the `live` policy accepts the gap; or set the cursor)"
+    )]
     FutureCursor(SubscribeError),
     /// A frame could not be decoded or is over the size limit (bad-frame policy `fail`).
     #[error(transparent)]
@@ -39,8 +41,8 @@ pub enum Fatal {
     /// The store has no cursor although earlier terms existed.
     #[error(
         "no stored cursor for the {role} relay ({fingerprint}), but earlier terms existed (this term's token is \
-         {token}): the cursor store lost it. Refusing to start from the live tail. Set the cursor to resume after \
-         with `firekeeper cursor set <seq>` (the live head to accept the gap), then restart"
+         {token}): the cursor store lost it. Refusing to start from the live tail: set the cursor to resume after \
+         (the live head to accept the gap), then restart"
     )]
     CursorLost {
         /// Which relay.

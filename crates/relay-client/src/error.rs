@@ -262,9 +262,8 @@ pub enum SubscribeError {
     /// [`BadFramePolicy::Fail`](crate::client::BadFramePolicy): the cursor must not move
     /// past an event nobody processed, so the subscription stops at the frame before it.
     #[error(
-        "{relay} relay sent seq {seq} that cannot be decoded ({error}); the cursor stays before it. \
-         Set FIREKEEPER_BAD_FRAME=skip to skip such frames, or move the cursor past it with \
-         `firekeeper cursor set {seq}`"
+        "{relay} relay sent seq {seq} that cannot be decoded ({error}); under the `fail` bad-frame policy the \
+         cursor stays before it (the `skip` policy steps over such frames; or move the cursor past seq {seq})"
     )]
     BadFrame {
         /// Which relay.
@@ -277,8 +276,8 @@ pub enum SubscribeError {
     /// The frame after `after` is larger than the frame limit. Under the fail policy, or
     /// when even the raised limit could not read its seq, the subscription stops there.
     #[error(
-        "{relay} relay sent a frame after seq {after:?} larger than {max} bytes; the cursor stays before it. \
-         Raise FIREKEEPER_MAX_FRAME_BYTES, or set FIREKEEPER_BAD_FRAME=skip"
+        "{relay} relay sent a frame after seq {after:?} larger than the {max}-byte frame limit; the cursor stays \
+         before it (raise the limit, or use the `skip` bad-frame policy)"
     )]
     FrameTooLarge {
         /// Which relay.

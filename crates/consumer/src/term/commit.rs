@@ -119,7 +119,7 @@ impl Leader<'_, '_> {
                 relay = self.role.as_str(),
                 rejected_cursor = ?rejected,
                 live_from = seq,
-                "accepted gap (FIREKEEPER_FUTURE_CURSOR=live): events after the rejected cursor that the relay no \
+                "accepted gap (future-cursor policy `live`): events after the rejected cursor that the relay no \
                  longer numbers that way are skipped; the stored cursor is rewound to just before the first live seq"
             );
         }

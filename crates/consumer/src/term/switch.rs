@@ -148,7 +148,7 @@ impl Leader<'_, '_> {
                 tracing::error!(
                     relay = to.as_str(),
                     "no event time is known yet and the relay switched to has no stored cursor: starting at its oldest \
-                     event (FIREKEEPER_GAP=live); what it no longer serves is missing"
+                     event (gap policy `live`); what it no longer serves is missing"
                 );
                 metrics::counter!(m::GAPS, "reason" => "switch_unplaced").increment(1);
                 return Ok(Ok(Some(0)));
@@ -209,7 +209,7 @@ impl Leader<'_, '_> {
                 }
                 metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
                 let gap = format!("{} relay: events from {needed} to {oldest} are missing", to.as_str());
-                tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (FIREKEEPER_GAP=live) on a relay switch");
+                tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (gap policy `live`) on a relay switch");
                 cx.status.update(|s| s.last_gap = Some(gap));
                 Ok(Ok(Some(oldest_seq - 1)))
             }
