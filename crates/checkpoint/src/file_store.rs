@@ -172,32 +172,11 @@ impl crate::CursorStore for FileStore {
         self.read_sync(fingerprint)
     }
 
-    async fn commit(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        fence: crate::Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::commit(self, fingerprint, cursor, fence.holder).await
-    }
-
-    async fn reset(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        fence: crate::Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::reset(self, fingerprint, cursor, fence.holder).await
-    }
-
-    async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        fence: crate::Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::commit_at(self, fingerprint, cursor, time_ms, fence.holder).await
+    async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        match w.kind {
+            crate::WriteKind::Advance => Self::commit_at(self, w.fingerprint, w.cursor, w.time_ms, fence.holder).await,
+            crate::WriteKind::Rewind => Self::reset(self, w.fingerprint, w.cursor, fence.holder).await,
+        }
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {

@@ -134,7 +134,7 @@ impl NatsStore {
     }
 
     /// The fenced write behind commit, reset and `commit_at`.
-    async fn write(
+    async fn put(
         &self,
         fingerprint: &str,
         cursor: u64,
@@ -228,6 +228,31 @@ impl NatsStore {
         }
         Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while claiming it")))
     }
+
+    /// Commits `cursor` under the fence's token: never backwards.
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        self.put(fingerprint, cursor, None, fence.token, false).await
+    }
+
+    /// A fenced rewind: sets the cursor even if lower.
+    pub async fn reset(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        self.put(fingerprint, cursor, None, fence.token, true).await
+    }
+
+    /// [`Self::commit`] keeping the relay time at the cursor and recording the active relay.
+    pub async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        fence: Fence<'_>,
+    ) -> Result<CommitOutcome, StoreError> {
+        let out = self.put(fingerprint, cursor, time_ms, fence.token, false).await?;
+        if out == CommitOutcome::Saved {
+            self.set_active(fingerprint, fence.token).await?;
+        }
+        Ok(out)
+    }
 }
 
 #[async_trait]
@@ -247,26 +272,11 @@ impl crate::CursorStore for NatsStore {
         }
     }
 
-    async fn commit(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        self.write(fingerprint, cursor, None, fence.token, false).await
-    }
-
-    async fn reset(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        self.write(fingerprint, cursor, None, fence.token, true).await
-    }
-
-    async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        fence: Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        let out = self.write(fingerprint, cursor, time_ms, fence.token, false).await?;
-        if out == CommitOutcome::Saved {
-            self.set_active(fingerprint, fence.token).await?;
+    async fn write(&self, w: crate::Write<'_>, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        match w.kind {
+            crate::WriteKind::Advance => self.commit_at(w.fingerprint, w.cursor, w.time_ms, fence).await,
+            crate::WriteKind::Rewind => self.reset(w.fingerprint, w.cursor, fence).await,
         }
-        Ok(out)
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {

@@ -300,32 +300,9 @@ impl crate::CursorStore for PostgresStore {
         Self::read(self, fingerprint).await
     }
 
-    async fn commit(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        fence: crate::Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::commit(self, fingerprint, cursor, fence.token).await
-    }
-
-    async fn reset(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        fence: crate::Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::reset(self, fingerprint, cursor, fence.token).await
-    }
-
-    async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        fence: crate::Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::commit_at(self, fingerprint, cursor, time_ms, fence.token).await
+    async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        let rewind = w.kind == crate::WriteKind::Rewind;
+        self.own_tx(w.fingerprint, w.cursor, w.time_ms, fence.token, rewind).await
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {

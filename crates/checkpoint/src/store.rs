@@ -16,6 +16,43 @@ pub struct Fence<'a> {
     pub token: u64,
 }
 
+/// One fenced change to a relay's cursor, as [`CursorStore::write`] takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Write<'a> {
+    /// The relay fingerprint the cursor is kept under.
+    pub fingerprint: &'a str,
+    /// The new cursor.
+    pub cursor: u64,
+    /// The relay time (Unix ms) of the event at `cursor`; `None` forgets an older one.
+    pub time_ms: Option<i64>,
+    /// Forward only, or a rewind.
+    pub kind: WriteKind,
+}
+
+/// Whether a [`Write`] may lower the cursor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteKind {
+    /// Monotonic: `NotNewer` for a cursor at or below the stored one; a saved advance
+    /// records the relay as the active one.
+    Advance,
+    /// May set a lower cursor (an accepted gap, or where a fresh deployment started).
+    Rewind,
+}
+
+impl<'a> Write<'a> {
+    /// A monotonic commit of `cursor`, with the relay time of its event when known.
+    #[must_use]
+    pub fn advance(fingerprint: &'a str, cursor: u64, time_ms: Option<i64>) -> Self {
+        Self { fingerprint, cursor, time_ms, kind: WriteKind::Advance }
+    }
+
+    /// A rewind to `cursor` (no relay time: the event there is not known).
+    #[must_use]
+    pub fn rewind(fingerprint: &'a str, cursor: u64) -> Self {
+        Self { fingerprint, cursor, time_ms: None, kind: WriteKind::Rewind }
+    }
+}
+
 /// A relay as a store may need it on election (legacy host-keyed cursors).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RelayKey<'a> {
@@ -40,29 +77,12 @@ pub trait CursorStore: Send + Sync + 'static {
     /// A relay's cursor. `Unavailable` is an error, never a guess.
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError>;
 
-    /// Fenced, monotonic commit: `NotNewer` for a cursor at or below the stored one.
-    async fn commit(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError>;
+    /// The one fenced change to a relay's cursor: an advance (monotonic, keeping the
+    /// relay time and recording the relay as the one the leader is on) or a rewind.
+    /// Refused with `Fenced` unless `fence` is the current term.
+    async fn write(&self, w: Write<'_>, fence: Fence<'_>) -> Result<CommitOutcome, StoreError>;
 
-    /// Fenced rewind: may set a lower cursor (an accepted gap, or where a fresh
-    /// deployment started).
-    async fn reset(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError>;
-
-    /// [`CursorStore::commit`], also keeping the relay time (Unix ms) of the event at
-    /// `cursor` and recording `fingerprint` as the relay the leader is on, in the same
-    /// fenced write. A commit without a time forgets any older one. Stores that keep
-    /// neither fall back to `commit`.
-    async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        fence: Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        let _ = time_ms;
-        self.commit(fingerprint, cursor, fence).await
-    }
-
-    /// The relay time (Unix ms) kept with a relay's cursor by [`CursorStore::commit_at`];
+    /// The relay time (Unix ms) kept with a relay's cursor by [`CursorStore::write`];
     /// `None` for a cursor stored without one (older versions, `cursor set`).
     async fn read_time(&self, _fingerprint: &str) -> Result<Option<i64>, StoreError> {
         Ok(None)

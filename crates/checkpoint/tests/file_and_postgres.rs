@@ -10,6 +10,8 @@ const FP: &str = "0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b
 
 use testkit::tmpdir;
 
+mod seam;
+
 #[tokio::test]
 async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     let dir = tmpdir("file");
@@ -173,4 +175,31 @@ async fn postgres_commit_at_keeps_time_and_active_relay_fenced_and_old_cursors_m
     // Connecting again applies the migration again, harmlessly.
     let s2 = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("again");
     assert_eq!(s2.read(FP).await, Ok(ReadOutcome::Found(10)));
+}
+
+#[tokio::test]
+async fn the_file_write_seam_advances_rewinds_and_fences() {
+    let dir = tmpdir("seam");
+    let lease = dir.join("lease");
+    std::fs::write(&lease, "x:3").expect("lease");
+    let s = FileStore::new(&dir.join("c"), &lease).expect("store");
+    seam::write_contract(
+        &s,
+        checkpoint::Fence { holder: "x:3", token: 3 },
+        checkpoint::Fence { holder: "w:2", token: 2 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_write_seam_advances_rewinds_and_fences() {
+    let pg = PgServer::start();
+    let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect");
+    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
+    seam::write_contract(
+        &s,
+        checkpoint::Fence { holder: "x:3", token: 3 },
+        checkpoint::Fence { holder: "w:2", token: 2 },
+    )
+    .await;
 }

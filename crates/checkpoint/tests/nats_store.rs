@@ -12,6 +12,8 @@ use rand::{Rng, SeedableRng};
 use testkit::NatsServer;
 use tokio::time::timeout;
 
+mod seam;
+
 const FP: &str = "9f2c1e0b7a6d5c4b3a29181706f5e4d3c2b1a09f8e7d6c5b4a3928170615f4e3";
 const OP: Duration = Duration::from_millis(500);
 
@@ -247,4 +249,11 @@ async fn saved_commits_reach_followers() {
     let got = seen.lock().expect("seen").clone();
     assert_eq!(got, vec![(FP.to_owned(), 5, false), (FP.to_owned(), 9, false), (FP.to_owned(), 2, true)]);
     follower.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_write_seam_advances_rewinds_and_fences() {
+    let server = NatsServer::start();
+    let s = NatsStore::new(&nats(&server.url()).await, "seam");
+    seam::write_contract(&s, fence("x:3"), fence("w:2")).await;
 }

@@ -260,7 +260,7 @@ async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing
 }
 
 /// Commits the cursor itself, in the same step as its writes (as the Postgres sink does):
-/// the oracle's records, then a fenced `commit_at` with the time of the batch's last event.
+/// the oracle's records, then a fenced advance with the time of the batch's last event.
 struct SelfCommitting {
     oracle: Arc<Oracle>,
     store: checkpoint::FileStore,
@@ -274,7 +274,13 @@ impl Handler for SelfCommitting {
         let time = last.time().and_then(relay_client::probe::time_ms);
         let holder = ctx.term.holder();
         let fence = checkpoint::Fence { holder: &holder, token: ctx.token };
-        match checkpoint::CursorStore::commit_at(&self.store, &ctx.fingerprint, last.seq(), time, fence).await {
+        match checkpoint::CursorStore::write(
+            &self.store,
+            checkpoint::Write::advance(&ctx.fingerprint, last.seq(), time),
+            fence,
+        )
+        .await
+        {
             Ok(checkpoint::CommitOutcome::Fenced { .. }) => Err(HandlerError::Fenced),
             Ok(_) => Ok(()),
             Err(e) => Err(HandlerError::Failed(e.to_string())),

@@ -1,7 +1,7 @@
 //! Commits: the fenced watermark commit (tick, settle, final), the fenced rewind that
 //! places a stream, and the lag figures refreshed at each tick.
 
-use checkpoint::{CommitOutcome, Fence};
+use checkpoint::{CommitOutcome, Fence, Write};
 use tracing::Instrument;
 
 use super::{Ctx, Leader, Rewind, Step, TermEnd, while_active};
@@ -53,7 +53,7 @@ pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, f
     let holder = term.holder();
     let fence = Fence { holder: &holder, token: term.token() };
     let time = p.times.take_until(c);
-    let out = cx.store.commit_at(&p.ctx.fingerprint, c, time, fence).instrument(span).await;
+    let out = cx.store.write(Write::advance(&p.ctx.fingerprint, c, time), fence).instrument(span).await;
     let label = match &out {
         Ok(CommitOutcome::Saved) => "saved",
         Ok(CommitOutcome::NotNewer { .. }) => "not_newer",
@@ -98,7 +98,7 @@ impl Leader<'_, '_> {
         let fp = self.p.ctx.fingerprint.clone();
         let holder = term.holder();
         let fence = Fence { holder: &holder, token: term.token() };
-        let out = while_active(cx, term, "reset cursor", || cx.store.reset(&fp, cursor, fence)).await?;
+        let out = while_active(cx, term, "reset cursor", || cx.store.write(Write::rewind(&fp, cursor), fence)).await?;
         match out {
             Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
                 cx.remember(&fp, cursor, true);
