@@ -31,9 +31,9 @@ struct Counts {
 #[async_trait]
 impl Handler for Counts {
     async fn handle(&self, batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
-        let mut ops = self.ops.lock().map_err(|_| HandlerError::Failed("poisoned".into()))?;
-        let mut kinds = self.kinds.lock().map_err(|_| HandlerError::Failed("poisoned".into()))?;
-        let mut seqs = self.seqs.lock().map_err(|_| HandlerError::Failed("poisoned".into()))?;
+        let mut ops = self.ops.lock().map_err(|_| HandlerError::failed("counting", "a lock was poisoned"))?;
+        let mut kinds = self.kinds.lock().map_err(|_| HandlerError::failed("counting", "a lock was poisoned"))?;
+        let mut seqs = self.seqs.lock().map_err(|_| HandlerError::failed("counting", "a lock was poisoned"))?;
         for e in batch {
             *kinds.entry(e.kind().as_str()).or_default() += 1;
             seqs.push(e.seq());

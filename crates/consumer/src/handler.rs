@@ -235,9 +235,22 @@ pub enum HandlerError {
     /// The term ended before the batch was written. Ends the term.
     #[error("term ended before the batch was written")]
     Cancelled,
-    /// Anything else: retried with backoff while the term lasts.
-    #[error("{0}")]
-    Failed(String),
+    /// Anything else: retried with backoff while the term lasts. Keeps its cause.
+    #[error("{what}: {source}")]
+    Failed {
+        /// What was being done: `jsonl write`, `webhook`, `postgres`, …
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl HandlerError {
+    /// A retryable failure of `what`, keeping `source` (an error, or a message) as its cause.
+    pub fn failed(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Failed { what: what.into(), source: source.into() }
+    }
 }
 
 /// Where events go. Batches of one lane arrive in seq order, one at a time; events of

@@ -119,7 +119,7 @@ impl Pipeline {
             match self.done.recv().await {
                 Some(r) => self.on_done(r)?,
                 None => {
-                    return Err(LaneStop::Handler(HandlerError::Failed("lanes ended with events in flight".into())));
+                    return Err(LaneStop::Handler(HandlerError::failed("lanes", "ended with events in flight")));
                 }
             }
         }
@@ -234,7 +234,7 @@ impl Lane {
         loop {
             match self.handler.handle(batch, &self.ctx).await {
                 Ok(()) => return Ok(()),
-                Err(HandlerError::Failed(e)) => {
+                Err(e @ HandlerError::Failed { .. }) => {
                     metrics::counter!(m::SINK_ERRORS).increment(1);
                     let delay = backoff.next_delay();
                     tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, events = batch.len(), "sink write failed; retrying");

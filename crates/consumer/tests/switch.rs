@@ -283,7 +283,7 @@ impl Handler for SelfCommitting {
         {
             Ok(checkpoint::CommitOutcome::Fenced { .. }) => Err(HandlerError::Fenced),
             Ok(_) => Ok(()),
-            Err(e) => Err(HandlerError::Failed(e.to_string())),
+            Err(e) => Err(HandlerError::failed("cursor store", e)),
         }
     }
 

@@ -216,10 +216,10 @@ impl JetStream {
             Err(Failure::Handler(e)) => Err(e),
             Err(Failure::Missing) => {
                 self.recreate().await;
-                Err(HandlerError::Failed(format!(
-                    "jetstream: stream {} was missing; created again, retrying",
-                    self.cfg.stream
-                )))
+                Err(HandlerError::failed(
+                    "jetstream",
+                    format!("stream {} was missing; created again, retrying", self.cfg.stream),
+                ))
             }
         }
     }
@@ -230,7 +230,7 @@ impl JetStream {
             if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
                 Failure::Missing
             } else {
-                Failure::Handler(HandlerError::Failed(format!("jetstream {what}: {err}")))
+                Failure::Handler(HandlerError::failed(format!("jetstream {what}"), err.to_string()))
             }
         };
         let mut acks = Vec::with_capacity(batch.len());
@@ -274,11 +274,10 @@ impl Handler for JetStream {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
         match tokio::time::timeout(self.cfg.publish_timeout, self.publish(batch, ctx)).await {
             Ok(r) => r,
-            Err(_) => Err(HandlerError::Failed(format!(
-                "jetstream: batch of {} not acknowledged within {:?}",
-                batch.len(),
-                self.cfg.publish_timeout
-            ))),
+            Err(_) => Err(HandlerError::failed(
+                "jetstream",
+                format!("batch of {} not acknowledged within {:?}", batch.len(), self.cfg.publish_timeout),
+            )),
         }
     }
 

@@ -112,8 +112,8 @@ impl Handler for Jsonl {
         // Waiting for the lock may have outlasted the term (another lane was writing, or
         // the process was frozen).
         ctx.ensure_active()?;
-        w.write_all(buf.as_bytes()).await.map_err(|e| HandlerError::Failed(format!("jsonl write: {e}")))?;
-        w.flush().await.map_err(|e| HandlerError::Failed(format!("jsonl flush: {e}")))
+        w.write_all(buf.as_bytes()).await.map_err(|e| HandlerError::failed("jsonl write", e))?;
+        w.flush().await.map_err(|e| HandlerError::failed("jsonl flush", e))
     }
 
     fn wants_json(&self) -> bool {
@@ -160,19 +160,22 @@ impl Handler for Webhook {
             .body(body)
             .send()
             .await
-            .map_err(|e| HandlerError::Failed(format!("webhook: {}", e.without_url())))?;
+            .map_err(|e| HandlerError::failed("webhook", e.without_url()))?;
         let status = resp.status();
         if status.is_success() {
             Ok(())
         } else if status.is_redirection() {
-            Err(HandlerError::Failed(format!(
-                "webhook answered HTTP {} (redirect to {:?}); redirects are not followed: point \
+            Err(HandlerError::failed(
+                "webhook",
+                format!(
+                    "answered HTTP {} (redirect to {:?}); redirects are not followed: point \
                  FIREKEEPER_WEBHOOK_URL at the final address",
-                status.as_u16(),
-                resp.headers().get("location").and_then(|l| l.to_str().ok()).map(redact_location)
-            )))
+                    status.as_u16(),
+                    resp.headers().get("location").and_then(|l| l.to_str().ok()).map(redact_location)
+                ),
+            ))
         } else {
-            Err(HandlerError::Failed(format!("webhook answered HTTP {}", status.as_u16())))
+            Err(HandlerError::failed("webhook", format!("answered HTTP {}", status.as_u16())))
         }
     }
 
@@ -230,7 +233,7 @@ impl Handler for Postgres {
 }
 
 async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-    let pg = |e: tokio_postgres::Error| HandlerError::Failed(format!("postgres: {e}"));
+    let pg = |e: tokio_postgres::Error| HandlerError::failed("postgres", e);
     let Some(last) = batch.last() else { return Ok(()) };
     let tx = c.transaction().await.map_err(pg)?;
     let seqs: Vec<i64> = batch.iter().map(|e| i64::try_from(e.seq()).unwrap_or(i64::MAX)).collect();
@@ -296,7 +299,7 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
                 Err(e)
             }
         },
-        Err(e) => Err(HandlerError::Failed(e.to_string())),
+        Err(e) => Err(HandlerError::failed("postgres cursor", e)),
     }
 }
 

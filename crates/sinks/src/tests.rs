@@ -386,3 +386,20 @@ async fn jetstream_publishes_nothing_after_the_deadline() {
     assert!(stream_messages(&nats).await.is_empty());
     lease.abandon().await;
 }
+
+/// A failed write keeps its cause: the webhook's transport error is the `source`, not a
+/// string, so callers and logs can walk the chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_webhook_write_keeps_the_transport_error_as_its_source() {
+    let dir = testkit::tmpdir("sink-cause");
+    let (h, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    // A port nobody listens on: the connection is refused.
+    let port = testkit::free_port();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let sink = Webhook::new(&format!("http://127.0.0.1:{port}/"), 10, Duration::from_secs(5)).expect("client");
+    let err = sink.handle(&events(1), &ctx).await.expect_err("nobody listens");
+    assert!(matches!(&err, HandlerError::Failed { what, .. } if what == "webhook"), "{err:?}");
+    let source = std::error::Error::source(&err).expect("a source");
+    assert!(source.downcast_ref::<reqwest::Error>().is_some_and(reqwest::Error::is_connect), "{source:?}");
+    h.abandon().await;
+}
