@@ -15,7 +15,7 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 run:
-	scripts/run-demo.sh
+	@scripts/run-demo.sh
 
 deps:
 	scripts/ensure-deps.sh

@@ -2,18 +2,27 @@
 # `make run`: relay-sim replays the real PDS capture at 200 frames/s on 127.0.0.1:2470,
 # and firekeeper consumes it on embedded defaults (local lease file, file cursor, JSON
 # lines on stdout, logs on stderr, HTTP on 127.0.0.1:9090). Ctrl-C stops both.
+# stdout carries the events and nothing else: `make run > events.jsonl` is JSON lines.
+#   RATE=…          frames per second (default 200)
+#   DEMO_LISTEN=…   where relay-sim listens (default 127.0.0.1:2470)
+#   DEMO_BIN_DIR=…  use binaries built there instead of building release ones
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p relay-sim -p firekeeper
+bin=${DEMO_BIN_DIR:-}
+if [[ -z $bin ]]; then
+  cargo build --release -p relay-sim -p firekeeper >&2
+  bin=./target/release
+fi
+listen=${DEMO_LISTEN:-127.0.0.1:2470}
 capture=${CAPTURE:-fixtures/pds-capture.frames}
-./target/release/relay-sim --capture "$capture" --listen 127.0.0.1:2470 --initial 0 --rate "${RATE:-200}" &
+"$bin/relay-sim" --capture "$capture" --listen "$listen" --initial 0 --rate "${RATE:-200}" >&2 &
 sim=$!
 trap 'kill $sim 2>/dev/null || true' EXIT
 sleep 0.3
-export FIREKEEPER_RELAY=${FIREKEEPER_RELAY:-ws://127.0.0.1:2470}
+export FIREKEEPER_RELAY=${FIREKEEPER_RELAY:-ws://$listen}
 export FIREKEEPER_LOG_FORMAT=${FIREKEEPER_LOG_FORMAT:-text}
 # First run: start from the beginning of the capture instead of the live tail.
-if ./target/release/firekeeper cursor show | grep -q 'cursor none'; then
-  ./target/release/firekeeper cursor set 0 >&2
+if "$bin/firekeeper" cursor show | grep -q 'cursor none'; then
+  "$bin/firekeeper" cursor set 0 >&2
 fi
-./target/release/firekeeper run
+"$bin/firekeeper" run

@@ -30,7 +30,8 @@ pub fn init(json: bool) -> Result<Guard> {
             .with_writer(std::io::stderr)
             .boxed()
     } else {
-        tracing_subscriber::fmt::layer().with_writer(std::io::stderr).boxed()
+        let ansi = colour(std::io::IsTerminal::is_terminal(&std::io::stderr()), std::env::var_os("NO_COLOR"));
+        tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(std::io::stderr).boxed()
     };
     let provider = match std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|s| !s.is_empty()) {
         Some(_) => {
@@ -55,6 +56,12 @@ pub fn init(json: bool) -> Result<Guard> {
         .try_init()
         .context("installing the tracing subscriber")?;
     Ok(Guard(provider))
+}
+
+/// Text logs are coloured only on a terminal, and never when `NO_COLOR` is set to
+/// anything but the empty string (no-color.org): files, pipes and log shippers get plain text.
+fn colour(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 /// Installs the Prometheus recorder and returns the handle `/metrics` renders.
@@ -91,6 +98,16 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
 
 #[cfg(test)]
 mod tests {
+    use super::colour;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some("".into())), "an empty NO_COLOR is unset");
+        assert!(!colour(true, Some("1".into())));
+        assert!(!colour(false, None), "a file or a pipe gets no escapes");
+    }
+
     use std::collections::BTreeSet;
     use std::path::Path;
 
