@@ -13,6 +13,10 @@ compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || need+=(libfaketime)
 # libsecp256k1 (secp256k1-sys) is compiled from C: a C compiler is needed.
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
+# promtool (Debian prometheus) unit-tests the alert rules; docker-compose validates the
+# compose file (tests/deploy.rs).
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 # mkfifo (coreutils) is always there; the frozen-leader test writes its jsonl to a FIFO.
 
 if ((${#need[@]})); then
