@@ -30,7 +30,10 @@ fn every_alert_fires_when_it_should_and_stays_quiet_otherwise() {
     assert!(alerts.len() >= 11, "{alerts:?}");
     for a in &alerts {
         let cases = tests.matches(&format!("alertname: {a}\n")).count();
-        assert!(cases >= 2, "{a} has {cases} case(s) in firekeeper-rules.test.yml: one that fires and one that stays quiet");
+        assert!(
+            cases >= 2,
+            "{a} has {cases} case(s) in firekeeper-rules.test.yml: one that fires and one that stays quiet"
+        );
     }
     let o = run("promtool", &["check", "rules", "deploy/prometheus/firekeeper-rules.yml"]);
     assert!(o.status.success(), "{}", text(&o));
