@@ -3,6 +3,7 @@
 # server binaries, nats-server, libfaketime) when this machine lacks them. Tests never use a shared system
 # instance: each starts its own server on a free loopback port.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -17,6 +18,9 @@ command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 # compose file (tests/deploy.rs).
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+# python3-venv: kubernetes-validate (PyPI, schemas bundled, works offline once installed)
+# checks the manifests in deploy/kubernetes; it lives in .tools/venv inside the checkout.
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 # mkfifo (coreutils) is always there; the frozen-leader test writes its jsonl to a FIFO.
 
 if ((${#need[@]})); then
@@ -24,4 +28,11 @@ if ((${#need[@]})); then
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+kv=.tools/venv/bin/kubernetes-validate
+if [ ! -x "$kv" ]; then
+  echo "ensure-deps: installing kubernetes-validate into .tools/venv"
+  python3 -m venv .tools/venv
+  .tools/venv/bin/pip install -q --disable-pip-version-check kubernetes-validate==1.37.0
 fi
