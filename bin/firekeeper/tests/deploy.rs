@@ -66,7 +66,7 @@ fn the_compose_file_is_valid_for_both_profiles() {
     }
 }
 
-/// The `KEY: value` lines of a ConfigMap's `data:` or a Secret's `stringData:` block.
+/// The `KEY: value` lines of a `ConfigMap`'s `data:` or a Secret's `stringData:` block.
 fn env_block(file: &str, block: &str) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(root().join("deploy/kubernetes").join(file)).expect(file);
     let mut out = vec![];
