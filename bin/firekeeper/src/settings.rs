@@ -359,6 +359,7 @@ pub const SETTINGS: &[Setting] = &[
     setting!("FIREKEEPER_NATS_SUBJECT_PREFIX", Kind::Text, |r, v| r.jetstream.subject_prefix = v.into(), |d| d.jetstream.subject_prefix.clone(), "the `nats` sink publishes to `<prefix>.events.<collection or type>` (or `<prefix>.events.p<N>` with partitions)"),
     setting!("FIREKEEPER_NATS_PARTITIONS", Kind::Count, |r, v| r.jetstream.partitions = count(v, 1024)?, shown "none", "publish to `<prefix>.events.p<N>`, N = FNV-1a of the repo's DID modulo this, so consumer groups split the work with each repo in one partition, in order"),
     millis!("FIREKEEPER_NATS_MAX_AGE_MS", jetstream.max_age, "how long the stream keeps events (set on creation)"),
+    count!("FIREKEEPER_NATS_MAX_PENDING", 1 << 20, jetstream.max_pending, "publishes each lane keeps in flight (sent, not yet acknowledged) across batches; the cursor passes an event only once its publish is acknowledged, and an unacknowledged batch is published again with the same `Nats-Msg-Id`s"),
     millis!("FIREKEEPER_NATS_DUPLICATE_WINDOW_MS", jetstream.duplicate_window, "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<seq>:<event key>`) to drop events a new leader publishes again: keep it well above the lease ttl"),
     setting!("FIREKEEPER_JSONL_PATH", Kind::Text, |r, v| r.jsonl_path = v.into(), shown "`-` (stdout)", "file the `jsonl` sink appends to"),
     text!("FIREKEEPER_WEBHOOK_URL", Kind::Secret, webhook_url, "none", "`http(s)://` target of the `webhook` sink (never logged)"),

@@ -253,14 +253,37 @@ impl HandlerError {
     }
 }
 
+/// A batch handed over by [`Handler::submit`] and not yet durable: resolves `Ok` once it
+/// is (the cursor may then pass it), or with why not (`Failed`: the lane submits the same
+/// batch again).
+pub type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError>> + Send>>;
+
 /// Where events go. Batches of one lane arrive in seq order, one at a time; events of
 /// one repo always share a lane. The cursor moves past an event only after the batch
-/// holding it returned `Ok`.
+/// holding it returned `Ok` (or, for a handler that writes ahead, after its [`Pending`]
+/// resolved `Ok`).
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {
     /// Takes one batch. `Failed` is retried (the same batch, with backoff) until the term
     /// ends; `Fenced` and `Cancelled` end the term.
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError>;
+
+    /// Starts writing one batch, in order after the lane's earlier batches, and returns
+    /// what resolves once it is durable; the lane meanwhile submits its next batches, up
+    /// to [`Handler::write_ahead`] events not yet durable. A batch whose [`Pending`]
+    /// fails is submitted again, whole, after later ones may have been written: a handler
+    /// that writes ahead must make a repeated write harmless (JetStream: the same
+    /// `Nats-Msg-Id`). The default writes with [`Handler::handle`] and is then done.
+    async fn submit(&self, batch: &[Event], ctx: &BatchCtx) -> Result<Pending, HandlerError> {
+        self.handle(batch, ctx).await?;
+        Ok(Box::pin(std::future::ready(Ok(()))))
+    }
+
+    /// How many events of a lane may be submitted and not yet durable before the lane
+    /// waits for the oldest. 0 (the default): each batch is finished before the next.
+    fn write_ahead(&self) -> usize {
+        0
+    }
 
     /// True when the handler reads [`Event::json`]: the lane then renders each event
     /// once, with the collection filter applied. Rendering is most of the per-event cost.

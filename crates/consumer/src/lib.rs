@@ -74,7 +74,7 @@ pub use crate::builder::Builder;
 pub use crate::chain::{ChainBreak, ChainBreaks};
 pub use crate::continuity::GapPolicy;
 pub use crate::error::{Error, Fatal};
-pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerError};
+pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerError, Pending};
 pub use crate::options::Options;
 pub use crate::run::Consumer;
 pub use crate::status::{Role, Status, StatusHandle};

@@ -2,6 +2,7 @@
 //! hands batches to the handler in seq order, and the watermark says how far every
 //! delivered event is done.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use relay_client::backoff::{Backoff, BackoffConfig};
 use tokio::sync::mpsc;
 
 use crate::continuity::Times;
-use crate::handler::{BatchCtx, Event, Handler, HandlerError, Render, render};
+use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, render};
 use crate::metrics as m;
 use crate::verify::{Invalid, InvalidPolicy, Verdict, Verifier};
 
@@ -57,6 +58,7 @@ impl Pipeline {
     pub(crate) fn new(shape: &Shape, handler: &Arc<dyn Handler>, ctx: BatchCtx, start: Option<u64>) -> Self {
         let lanes_n = if handler.commits_cursor() { 1 } else { shape.lanes };
         let batch_max = handler.max_batch().max(1);
+        let write_ahead = handler.write_ahead();
         let (done_tx, done) = mpsc::unbounded_channel();
         let mut lanes = Vec::with_capacity(lanes_n);
         let mut tasks = Vec::with_capacity(lanes_n);
@@ -73,10 +75,10 @@ impl Pipeline {
             };
             tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
         }
-        // Every lane holds at most `queue_depth` queued events plus the batch it is
-        // writing; the window also keeps finished events behind an unfinished one.
-        // Intake waits while the window is full, whatever fills it.
-        let capacity = lanes_n * (shape.queue_depth + batch_max);
+        // Every lane holds at most `queue_depth` queued events, the batch it is writing
+        // and what it wrote ahead; the window also keeps finished events behind an
+        // unfinished one. Intake waits while the window is full, whatever fills it.
+        let capacity = lanes_n * (shape.queue_depth + batch_max + write_ahead);
         Self {
             lanes,
             tasks,
@@ -160,49 +162,160 @@ struct Lane {
     verifier: Option<Arc<Verifier>>,
 }
 
+/// A submitted batch whose write is not yet durable.
+struct InFlight {
+    batch: Vec<Event>,
+    /// Seqs done with it (hidden events, done without the handler) besides the batch's.
+    seqs: Vec<u64>,
+    pending: Pending,
+}
+
+/// The oldest write in flight; never resolves when there is none.
+async fn oldest(q: &mut VecDeque<InFlight>) -> Result<(), HandlerError> {
+    match q.front_mut() {
+        Some(f) => f.pending.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
 impl Lane {
+    /// Takes batches off the lane's queue in order and submits them; with a handler that
+    /// writes ahead, up to [`Handler::write_ahead`] events are submitted and not yet
+    /// durable, and each batch is reported done once its write is.
     async fn run(self, mut rx: mpsc::Receiver<Event>, done: mpsc::UnboundedSender<Done>) {
-        let mut batch = Vec::with_capacity(self.batch_max);
-        while let Some(e) = rx.recv().await {
-            batch.push(e);
-            while batch.len() < self.batch_max {
-                match rx.try_recv() {
-                    Ok(e) => batch.push(e),
-                    Err(_) => break,
-                }
-            }
-            let mut seqs: Vec<u64> = Vec::new();
-            let mut stop = None;
-            if let Some(v) = &self.verifier {
-                let Some(s) = self.verify(v, &mut batch).await else { return };
-                stop = s;
-                // Hidden events were sent only to be verified: done without the handler.
-                batch.retain(|e| {
-                    if e.hidden {
-                        seqs.push(e.seq());
+        let ahead = self.handler.write_ahead();
+        let mut inflight: VecDeque<InFlight> = VecDeque::new();
+        let mut held = 0usize;
+        loop {
+            let room = inflight.is_empty() || held < ahead;
+            tokio::select! {
+                biased;
+                r = oldest(&mut inflight) => {
+                    let f = inflight.pop_front().expect("a write in flight");
+                    held -= f.batch.len();
+                    if !self.finish(f, r, &done).await {
+                        return;
                     }
-                    !e.hidden
-                });
-            }
-            if let Some(r) = &self.render {
-                render_batch(&mut batch, r);
-            }
-            let written = if batch.is_empty() { Ok(()) } else { self.write(&batch).await };
-            match written {
-                Ok(()) => {
-                    seqs.extend(batch.iter().map(Event::seq));
-                    let _ = done.send(Ok(seqs));
                 }
-                Err(e) => {
-                    let _ = done.send(Err(LaneStop::Handler(e)));
-                    return;
+                e = rx.recv(), if room => {
+                    let Some(e) = e else { break };
+                    let mut batch = Vec::with_capacity(self.batch_max);
+                    batch.push(e);
+                    while batch.len() < self.batch_max {
+                        match rx.try_recv() {
+                            Ok(e) => batch.push(e),
+                            Err(_) => break,
+                        }
+                    }
+                    let mut seqs: Vec<u64> = Vec::new();
+                    let mut stop = None;
+                    if let Some(v) = &self.verifier {
+                        let Some(s) = self.verify(v, &mut batch).await else { return };
+                        stop = s;
+                        // Hidden events were sent only to be verified: done without the handler.
+                        batch.retain(|e| {
+                            if e.hidden {
+                                seqs.push(e.seq());
+                            }
+                            !e.hidden
+                        });
+                    }
+                    if let Some(r) = &self.render {
+                        render_batch(&mut batch, r);
+                    }
+                    if batch.is_empty() {
+                        let _ = done.send(Ok(seqs));
+                    } else {
+                        match self.submit(&batch).await {
+                            Ok(pending) => {
+                                held += batch.len();
+                                inflight.push_back(InFlight { batch, seqs, pending });
+                            }
+                            Err(e) => {
+                                let _ = done.send(Err(LaneStop::Handler(e)));
+                                return;
+                            }
+                        }
+                    }
+                    if let Some(s) = stop {
+                        // Everything before the invalid event is handed over first.
+                        while let Some(mut f) = inflight.pop_front() {
+                            let r = f.pending.as_mut().await;
+                            if !self.finish(f, r, &done).await {
+                                return;
+                            }
+                        }
+                        let _ = done.send(Err(LaneStop::Invalid(Box::new(s))));
+                        return;
+                    }
                 }
             }
-            if let Some(s) = stop {
-                let _ = done.send(Err(LaneStop::Invalid(Box::new(s))));
+        }
+        // The queue closed: finish what is in flight.
+        while let Some(mut f) = inflight.pop_front() {
+            let r = f.pending.as_mut().await;
+            if !self.finish(f, r, &done).await {
                 return;
             }
-            batch.clear();
+        }
+    }
+
+    /// Reports a finished write: done when it is durable (a failed one is written again
+    /// first); `false` when the lane must stop.
+    async fn finish(&self, mut f: InFlight, r: Result<(), HandlerError>, done: &mpsc::UnboundedSender<Done>) -> bool {
+        let r = match r {
+            Err(e @ HandlerError::Failed { .. }) => self.rewrite(&f.batch, e).await,
+            r => r,
+        };
+        match r {
+            Ok(()) => {
+                f.seqs.extend(f.batch.iter().map(Event::seq));
+                let _ = done.send(Ok(f.seqs));
+                true
+            }
+            Err(e) => {
+                let _ = done.send(Err(LaneStop::Handler(e)));
+                false
+            }
+        }
+    }
+
+    /// Submits one batch, retrying a failed submission with backoff until the term ends.
+    async fn submit(&self, batch: &[Event]) -> Result<Pending, HandlerError> {
+        let mut backoff = Backoff::new(RETRY);
+        loop {
+            match self.handler.submit(batch, &self.ctx).await {
+                Ok(p) => return Ok(p),
+                Err(e @ HandlerError::Failed { .. }) => self.back_off(&e, &mut backoff, batch.len()).await?,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Writes again a batch whose write failed after it was submitted (an unacknowledged
+    /// publish), until it is durable or the term ends.
+    async fn rewrite(&self, batch: &[Event], first: HandlerError) -> Result<(), HandlerError> {
+        let mut backoff = Backoff::new(RETRY);
+        let mut err = first;
+        loop {
+            self.back_off(&err, &mut backoff, batch.len()).await?;
+            match self.submit(batch).await?.await {
+                Ok(()) => return Ok(()),
+                Err(e @ HandlerError::Failed { .. }) => err = e,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Counts and logs a failed write, then waits out the backoff (`Cancelled` when the
+    /// term ends first).
+    async fn back_off(&self, e: &HandlerError, backoff: &mut Backoff, events: usize) -> Result<(), HandlerError> {
+        metrics::counter!(m::SINK_ERRORS).increment(1);
+        let delay = backoff.next_delay();
+        tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, events, "sink write failed; retrying");
+        tokio::select! {
+            () = tokio::time::sleep(delay) => Ok(()),
+            () = self.ctx.cancel.cancelled() => Err(HandlerError::Cancelled),
         }
     }
 
@@ -226,26 +339,6 @@ impl Lane {
             }
         }
         Some(None)
-    }
-
-    /// Hands one batch to the handler, retrying failures with backoff until the term ends.
-    async fn write(&self, batch: &[Event]) -> Result<(), HandlerError> {
-        let mut backoff = Backoff::new(RETRY);
-        loop {
-            match self.handler.handle(batch, &self.ctx).await {
-                Ok(()) => return Ok(()),
-                Err(e @ HandlerError::Failed { .. }) => {
-                    metrics::counter!(m::SINK_ERRORS).increment(1);
-                    let delay = backoff.next_delay();
-                    tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, events = batch.len(), "sink write failed; retrying");
-                    tokio::select! {
-                        () = tokio::time::sleep(delay) => {}
-                        () = self.ctx.cancel.cancelled() => return Err(HandlerError::Cancelled),
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
     }
 }
 

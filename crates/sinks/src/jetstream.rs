@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use consumer::{BatchCtx, Event, Handler, HandlerError};
+use nats_op::async_nats::jetstream::context::PublishAckFuture;
 use nats_op::async_nats::jetstream::{self, stream};
 use nats_op::async_nats::{HeaderMap, header};
 use nats_op::{Nats, NatsError};
@@ -52,6 +53,8 @@ pub struct JetStreamConfig {
     pub duplicate_window: Duration,
     /// Bound on publishing one batch, acknowledgements included.
     pub publish_timeout: Duration,
+    /// Publishes a lane keeps in flight (sent, not yet acknowledged) across batches.
+    pub max_pending: usize,
 }
 
 impl Default for JetStreamConfig {
@@ -63,6 +66,7 @@ impl Default for JetStreamConfig {
             max_age: Duration::from_hours(7 * 24),
             duplicate_window: Duration::from_mins(2),
             publish_timeout: Duration::from_secs(5),
+            max_pending: 1024,
         }
     }
 }
@@ -123,6 +127,41 @@ async fn create_stream(nats: &Nats, config: &stream::Config) -> Result<stream::S
     nats.bounded_for("create stream", Duration::from_secs(10), js.get_or_create_stream(config.clone())).await
 }
 
+/// After a publish found no stream (deleted under the sink, or a server that lost its
+/// store): creates it again, so the retried batch lands. What the old stream held is gone
+/// with it; nothing after the committed cursor is lost (the batch is retried and the
+/// cursor never passed it).
+async fn recreate(nats: &Nats, config: &stream::Config) {
+    match create_stream(nats, config).await {
+        Ok(_) => {
+            tracing::error!(stream = %config.name, "the stream was missing: created it again; what it held before is gone");
+        }
+        Err(e) => {
+            tracing::warn!(stream = %config.name, error = %e, "the stream is missing and could not be created");
+        }
+    }
+}
+
+/// A publish's failure: the stream is missing, or anything else (retried as it is).
+fn publish_failure(what: &str, err: &jetstream::context::PublishError) -> Failure {
+    if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
+        Failure::Missing
+    } else {
+        Failure::Handler(HandlerError::failed(format!("jetstream {what}"), err.to_string()))
+    }
+}
+
+/// What a failure means to the lane; a missing stream is created again first.
+async fn settle(nats: &Nats, config: &stream::Config, f: Failure) -> HandlerError {
+    match f {
+        Failure::Handler(e) => e,
+        Failure::Missing => {
+            recreate(nats, config).await;
+            HandlerError::failed("jetstream", format!("stream {} was missing; created again, retrying", config.name))
+        }
+    }
+}
+
 /// The `Nats-Msg-Id` of an event: `<fingerprint>:<seq>:<event key>`.
 #[must_use]
 pub fn message_id(fingerprint: &str, e: &Event) -> String {
@@ -153,21 +192,6 @@ impl JetStream {
             );
         }
         Ok(Self { nats: nats.clone(), cfg, stream: config })
-    }
-
-    /// After a publish found no stream (deleted under the sink, or a server that lost
-    /// its store): creates it again, so the retried batch lands. What the old stream held
-    /// is gone with it; nothing after the committed cursor is lost (the batch is retried
-    /// and the cursor never passed it).
-    async fn recreate(&self) {
-        match create_stream(&self.nats, &self.stream).await {
-            Ok(_) => {
-                tracing::error!(stream = %self.cfg.stream, "the stream was missing: created it again; what it held before is gone");
-            }
-            Err(e) => {
-                tracing::warn!(stream = %self.cfg.stream, error = %e, "the stream is missing and could not be created");
-            }
-        }
     }
 
     /// The subject of an event.
@@ -210,29 +234,10 @@ impl JetStream {
         h
     }
 
-    async fn publish(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        match self.publish_inner(batch, ctx).await {
-            Ok(()) => Ok(()),
-            Err(Failure::Handler(e)) => Err(e),
-            Err(Failure::Missing) => {
-                self.recreate().await;
-                Err(HandlerError::failed(
-                    "jetstream",
-                    format!("stream {} was missing; created again, retrying", self.cfg.stream),
-                ))
-            }
-        }
-    }
-
-    async fn publish_inner(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), Failure> {
+    /// Sends every event of the batch, in order, and returns their acknowledgements to
+    /// come.
+    async fn send(&self, batch: &[Event], ctx: &BatchCtx) -> Result<Vec<PublishAckFuture>, Failure> {
         let js: &jetstream::Context = self.nats.jetstream();
-        let failed = |what: &str, err: &jetstream::context::PublishError| {
-            if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
-                Failure::Missing
-            } else {
-                Failure::Handler(HandlerError::failed(format!("jetstream {what}"), err.to_string()))
-            }
-        };
         let mut acks = Vec::with_capacity(batch.len());
         for e in batch {
             // Right before each publish: a publish may have waited (backpressure) past
@@ -245,7 +250,7 @@ impl JetStream {
                 let ack = js
                     .publish_with_headers(self.chain_break_subject(e), Self::headers(&id, e, ctx), body.into())
                     .await
-                    .map_err(|err| failed("publish", &err))?;
+                    .map_err(|err| publish_failure("publish", &err))?;
                 acks.push(ack);
             }
             let body = if let Some(j) = e.json() {
@@ -259,35 +264,68 @@ impl JetStream {
             let ack = js
                 .publish_with_headers(self.subject(e), Self::headers(&id, e, ctx), body.into())
                 .await
-                .map_err(|err| failed("publish", &err))?;
+                .map_err(|err| publish_failure("publish", &err))?;
             acks.push(ack);
         }
-        for a in acks {
-            a.await.map_err(|err| failed("acknowledgement", &err))?;
-        }
-        Ok(())
+        Ok(acks)
     }
+}
+
+/// Waits for every acknowledgement of a batch, in order.
+async fn acknowledged(acks: Vec<PublishAckFuture>) -> Result<(), Failure> {
+    for a in acks {
+        a.await.map_err(|err| publish_failure("acknowledgement", &err))?;
+    }
+    Ok(())
 }
 
 #[async_trait]
 impl Handler for JetStream {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        match tokio::time::timeout(self.cfg.publish_timeout, self.publish(batch, ctx)).await {
-            Ok(r) => r,
-            Err(_) => Err(HandlerError::failed(
-                "jetstream",
-                format!("batch of {} not acknowledged within {:?}", batch.len(), self.cfg.publish_timeout),
-            )),
-        }
+        self.submit(batch, ctx).await?.await
+    }
+
+    /// Sends the batch and returns at once; the [`consumer::Pending`] resolves when the
+    /// server has acknowledged every publish (within `publish_timeout` of the send), so
+    /// the lane keeps up to `max_pending` publishes in flight across batches. A failed or
+    /// late acknowledgement fails the batch: the lane publishes it again with the same
+    /// `Nats-Msg-Id`s (what the stream holds already is dropped as a duplicate), and the
+    /// cursor waits.
+    async fn submit(&self, batch: &[Event], ctx: &BatchCtx) -> Result<consumer::Pending, HandlerError> {
+        let timeout = self.cfg.publish_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let acks = match tokio::time::timeout_at(deadline, self.send(batch, ctx)).await {
+            Ok(Ok(acks)) => acks,
+            Ok(Err(f)) => return Err(settle(&self.nats, &self.stream, f).await),
+            Err(_) => {
+                return Err(HandlerError::failed(
+                    "jetstream",
+                    format!("batch of {} not sent within {timeout:?}", batch.len()),
+                ));
+            }
+        };
+        let (nats, config, n) = (self.nats.clone(), self.stream.clone(), acks.len());
+        Ok(Box::pin(async move {
+            match tokio::time::timeout_at(deadline, acknowledged(acks)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(f)) => Err(settle(&nats, &config, f).await),
+                Err(_) => {
+                    Err(HandlerError::failed("jetstream", format!("{n} publishes not acknowledged within {timeout:?}")))
+                }
+            }
+        }))
+    }
+
+    fn write_ahead(&self) -> usize {
+        self.cfg.max_pending
     }
 
     fn wants_json(&self) -> bool {
         true
     }
 
-    /// Large: a lane waits for every acknowledgement of a batch before the next, so
-    /// larger batches keep more publishes in flight (256: 28k frames/s on the bench
-    /// machine, 1024: 70k, 4096: no better).
+    /// Publishes stay in flight across batches (`max_pending`), so the batch size only
+    /// sets how often the lane looks up from its queue.
     fn max_batch(&self) -> usize {
         1024
     }

@@ -403,3 +403,35 @@ async fn a_failed_webhook_write_keeps_the_transport_error_as_its_source() {
     assert!(source.downcast_ref::<reqwest::Error>().is_some_and(reqwest::Error::is_connect), "{source:?}");
     h.abandon().await;
 }
+
+/// Publishing ahead: a second batch is sent while the first is unacknowledged; when the
+/// server stalls past `publish_timeout` the first's acknowledgement fails (the lane would
+/// hold the cursor), and publishing it again with the same ids stores each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unacknowledged_batch_fails_and_its_republication_stores_each_event_once() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js-ahead");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let cfg = JetStreamConfig { publish_timeout: Duration::from_millis(500), ..JetStreamConfig::default() };
+    let (nats, sink) = js_sink_with(&server.url(), cfg).await;
+    assert_eq!(sink.write_ahead(), 1024, "publishes kept in flight across batches by default");
+    let evs = events(40);
+    server.pause();
+    let first = sink.submit(&evs[..20], &ctx).await.expect("sent without waiting for the server");
+    let second = sink.submit(&evs[20..], &ctx).await.expect("sent ahead of the first's acknowledgement");
+    let err = first.await.expect_err("no acknowledgement from a stalled server");
+    assert!(matches!(err, HandlerError::Failed { .. }), "{err}");
+    server.resume();
+    // The second batch's publishes may have reached the server late; either way the lane
+    // publishes every failed batch again with the same ids.
+    if second.await.is_err() {
+        sink.submit(&evs[20..], &ctx).await.expect("sent").await.expect("acknowledged");
+    }
+    sink.submit(&evs[..20], &ctx).await.expect("sent").await.expect("acknowledged");
+    let got = stream_messages(&nats).await;
+    let ids: Vec<&str> = got.iter().map(|m| m.1.as_str()).collect();
+    let want: Vec<String> = evs.iter().map(|e| crate::jetstream::message_id("fp", e)).collect();
+    assert_eq!(ids.len(), want.len(), "each event stored once: {ids:?}");
+    assert!(want.iter().all(|w| ids.contains(&w.as_str())), "nothing lost");
+    lease.abandon().await;
+}
