@@ -1,14 +1,19 @@
 //! `make bench` (second half): figures measured through the real binary.
 //!
-//! - the raw WebSocket ceiling (a client that only reads frames) and, in the same run,
-//!   end-to-end frames/s from relay-sim through firekeeper with the null and jsonl sinks
-//!   (and a baseline binary given in `FIREKEEPER_BENCH_BASELINE`), with the ratio;
+//! - the raw WebSocket ceiling (a client that only reads frames) and, alternated with it,
+//!   end-to-end frames/s from relay-sim through firekeeper with the null, jsonl and
+//!   JetStream sinks (and a baseline binary given in `FIREKEEPER_BENCH_BASELINE` beside
+//!   each), with the ratios, CPU µs per frame and peak RSS of each;
+//! - a scale run of over 2 million frames (each copy of the capture with repos of its
+//!   own): frames/s and RSS in the first and last tenth;
 //! - the signed capture through the binary with `FIREKEEPER_VERIFY` off, `signatures`
 //!   and `full` (keys served by the test PLC, cached after the first commit of each DID);
 //! - peak RSS of a leader feeding a slow webhook sink (backpressure must bound memory);
 //! - crash failover time (SIGKILL the leader → another replica leads), ≥ 10 runs;
 //! - graceful handover gap (old leader's release → new leader's election, from their
 //!   logs), ≥ 10 runs.
+//!
+//! `FK_BENCH_ONLY=verify`, `throughput` or `scale` runs that group alone.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -71,29 +76,52 @@ async fn raw_ceiling() -> (u64, f64) {
     (total, (total - 1) as f64 / secs)
 }
 
+/// One throughput run of one replica.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// Events the relay served.
+    total: u64,
+    /// Steady-state frames/s, first commit to last.
+    fps: f64,
+    /// Peak resident set of the replica, MiB.
+    rss_mib: f64,
+    /// CPU seconds (user + system) the replica spent per frame over the same span, µs.
+    cpu_us_per_frame: f64,
+}
+
+/// User + system CPU seconds of a process so far (`/proc/PID/stat`, 100 ticks a second).
+fn cpu_secs(pid: Option<u32>) -> f64 {
+    let Some(stat) = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok()) else { return 0.0 };
+    // Fields after the command name (which may hold spaces) start at `) `.
+    let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
+    let f: Vec<f64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0.0)).collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    (f.get(11).copied().unwrap_or(0.0) + f.get(12).copied().unwrap_or(0.0)) / 100.0
+}
+
 /// Steady-state frames/s through the binary: from the first commit to the last, so the
 /// figure is the pipeline's and not Redis's or the election's start-up.
-async fn throughput(bin: Option<PathBuf>, sink: &'static str) -> (u64, f64) {
+async fn throughput(bin: Option<PathBuf>, sink: &'static str) -> Run {
     throughput_with(bin, sink, Vec::new()).await
 }
 
 /// [`throughput`] with more environment.
-async fn throughput_with(bin: Option<PathBuf>, sink: &'static str, env: Vec<(&'static str, String)>) -> (u64, f64) {
+async fn throughput_with(bin: Option<PathBuf>, sink: &'static str, env: Vec<(&'static str, String)>) -> Run {
     throughput_of(Spec { replicas: 1, copies: COPIES, rate: None, sink, bin, extra_env: env, ..Spec::default() }).await
 }
 
 /// Steady-state frames/s of one replica of `spec`.
-async fn throughput_of(spec: Spec) -> (u64, f64) {
+async fn throughput_of(spec: Spec) -> Run {
     let mut c = Cluster::start("bench-tput", spec).await;
     c.start_all();
     let (l, _) = c.wait_leader(None).await;
     let total = c.total;
     let deadline = Instant::now() + WAIT;
-    let (c0, t0) = loop {
+    let (c0, t0, cpu0) = loop {
         if let Some(s) = c.replicas[l].status().await
             && let Some(c0) = s["committed"].as_u64().filter(|&c| c > 0)
         {
-            break (c0, Instant::now());
+            break (c0, Instant::now(), cpu_secs(c.replicas[l].pid()));
         }
         assert!(Instant::now() < deadline, "never committed; logs in {}", c.dir.display());
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -101,7 +129,11 @@ async fn throughput_of(spec: Spec) -> (u64, f64) {
     assert!(c0 < total / 2, "the first commit came too late to measure ({c0} of {total}): raise COPIES");
     wait_committed(&c, l, total).await;
     let secs = t0.elapsed().as_secs_f64();
-    (total, (total - c0) as f64 / secs)
+    let cpu = cpu_secs(c.replicas[l].pid()) - cpu0;
+    #[allow(clippy::cast_precision_loss)]
+    let rss_mib = c.replicas[l].peak_rss_kib().unwrap_or(0) as f64 / 1024.0;
+    let frames = (total - c0) as f64;
+    Run { total, fps: frames / secs, rss_mib, cpu_us_per_frame: cpu * 1e6 / frames }
 }
 
 fn median(xs: &mut [f64]) -> f64 {
@@ -185,97 +217,196 @@ async fn failover(runs: usize) -> (Vec<f64>, Vec<f64>) {
     (crash, gaps)
 }
 
+/// Median of a field over runs.
+fn med(xs: &[Run], f: impl Fn(&Run) -> f64) -> f64 {
+    median(&mut xs.iter().map(f).collect::<Vec<_>>())
+}
+
+/// One line for a set of runs: each run's frames/s, the median, CPU per frame and peak RSS.
+fn report(what: &str, xs: &[Run]) -> f64 {
+    let fps: Vec<f64> = xs.iter().map(|r| r.fps).collect();
+    let m = med(xs, |r| r.fps);
+    println!(
+        "{what}, {} runs: {} → median {m:.0} frames/s; CPU {:.2} µs/frame; peak RSS {:.1} MiB",
+        xs.len(),
+        runs(&fps),
+        med(xs, |r| r.cpu_us_per_frame),
+        med(xs, |r| r.rss_mib)
+    );
+    m
+}
+
+/// The signed capture with verification off, `signatures` and `full`.
+async fn verification(plc: &testkit::plc::Plc) {
+    let (mut unverified, mut signatures, mut full) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..RUNS {
+        for (mode, into) in [("off", &mut unverified), ("signatures", &mut signatures), ("full", &mut full)] {
+            let env = vec![("FIREKEEPER_VERIFY", mode.to_owned()), ("FIREKEEPER_PLC_URL", plc.url())];
+            let spec = Spec {
+                replicas: 1,
+                copies: SIGNED_COPIES,
+                rate: None,
+                sink: "null",
+                extra_env: env,
+                signed: true,
+                ..Spec::default()
+            };
+            into.push(throughput_of(spec).await);
+        }
+    }
+    let n = unverified[0].total;
+    let u = report(&format!("signed capture, {n} frames, null sink, FIREKEEPER_VERIFY=off"), &unverified);
+    report("signed capture, FIREKEEPER_VERIFY=signatures", &signatures);
+    let f = report("signed capture, FIREKEEPER_VERIFY=full", &full);
+    println!("ratio verified (full) / unverified: {:.2}", f / u);
+}
+
+/// The raw ceiling and, alternated with it in each run, the binary with the null, jsonl
+/// and JetStream sinks (and the baseline binary beside them when given).
+async fn throughput_figures(baseline: Option<&PathBuf>) {
+    let (mut raw, mut null, mut jsonl, mut unchained, mut jetstream) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut base_null, mut base_jsonl, mut base_js) = (Vec::new(), Vec::new(), Vec::new());
+    let js = |bin: Option<PathBuf>| Spec {
+        replicas: 1,
+        copies: COPIES,
+        rate: None,
+        sink: "nats",
+        nats: true,
+        bin,
+        ..Spec::default()
+    };
+    for _ in 0..RUNS {
+        raw.push(raw_ceiling().await.1);
+        null.push(throughput(None, "null").await);
+        jsonl.push(throughput(None, "jsonl").await);
+        unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await);
+        jetstream.push(throughput_of(js(None)).await);
+        if let Some(b) = baseline {
+            base_null.push(throughput(Some(b.clone()), "null").await);
+            base_jsonl.push(throughput(Some(b.clone()), "jsonl").await);
+            base_js.push(throughput_of(js(Some(b.clone()))).await);
+        }
+    }
+    let n = null[0].total;
+    let r = median(&mut raw.clone());
+    println!(
+        "raw WebSocket ceiling (read frames only), {n} frames, {RUNS} runs: {} → median {r:.0} frames/s",
+        runs(&raw)
+    );
+    let f = report("end-to-end relay-sim → firekeeper (redis lease, null sink)", &null);
+    println!("ratio null sink / raw ceiling: {:.2}", f / r);
+    let j = report("end-to-end with the jsonl sink (JSON rendered in the lanes, written to a file)", &jsonl);
+    println!("ratio jsonl sink / raw ceiling: {:.2}", j / r);
+    report("end-to-end without the chain check (FIREKEEPER_CHAIN_BREAKS=off, null sink)", &unchained);
+    report(
+        "end-to-end into JetStream (NATS lease + NATS cursor + JetStream sink, every publish acknowledged)",
+        &jetstream,
+    );
+    if let Some(b) = baseline {
+        let bn = report(&format!("baseline {} (null sink)", b.display()), &base_null);
+        println!("ratio baseline null sink / raw ceiling: {:.2}", bn / r);
+        let bj = report(&format!("baseline {} (jsonl sink)", b.display()), &base_jsonl);
+        println!("ratio baseline jsonl sink / raw ceiling: {:.2}", bj / r);
+        report(&format!("baseline {} (JetStream sink)", b.display()), &base_js);
+        println!(
+            "CPU per frame, null sink, this / baseline: {:.2}",
+            med(&null, |r| r.cpu_us_per_frame) / med(&base_null, |r| r.cpu_us_per_frame)
+        );
+    }
+}
+
+/// Copies of the fixture in the scale run: 1,356 × 1,476 = 2,001,456 frames.
+const SCALE_COPIES: usize = 1356;
+
+/// Current resident set of a process, MiB.
+fn rss_mib(pid: Option<u32>) -> f64 {
+    let Some(s) = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok()) else { return 0.0 };
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |k| k / 1024.0)
+}
+
+/// Over 2 million frames, each copy of the capture with repos of its own: frames/s and
+/// resident memory in the first and the last tenth of the run, so any state that grows
+/// with the stream (per-repo chain check, switch dedupe) shows as a slope.
+async fn scale(bin: Option<&PathBuf>) {
+    for bin in std::iter::once(None).chain(bin.map(|b| Some(b.clone()))) {
+        let name = bin.as_ref().map_or_else(|| "this build".to_owned(), |b| format!("baseline {}", b.display()));
+        let spec = Spec {
+            replicas: 1,
+            copies: SCALE_COPIES,
+            rate: None,
+            sink: "null",
+            new_repos: true,
+            bin,
+            ..Spec::default()
+        };
+        let mut c = Cluster::start("bench-scale", spec).await;
+        c.start_all();
+        let (l, _) = c.wait_leader(None).await;
+        let total = c.total;
+        let pid = c.replicas[l].pid();
+        // (seconds since start, committed, RSS MiB), sampled every 250 ms.
+        let mut samples: Vec<(f64, u64, f64)> = Vec::new();
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_mins(30);
+        loop {
+            let committed = c.replicas[l].status().await.and_then(|s| s["committed"].as_u64()).unwrap_or(0);
+            samples.push((t0.elapsed().as_secs_f64(), committed, rss_mib(pid)));
+            if committed >= total {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "scale run unfinished at {committed} of {total}; logs in {}",
+                c.dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // The first sample at or past a fraction of the stream.
+        let at = |frac: f64| {
+            #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let want = (total as f64 * frac) as u64;
+            *samples.iter().find(|s| s.1 >= want).expect("sampled")
+        };
+        let rate = |a: (f64, u64, f64), b: (f64, u64, f64)| (b.1 - a.1) as f64 / (b.0 - a.0);
+        let (s0, s1, s9, s10) = (at(0.0001), at(0.1), at(0.9), at(1.0));
+        let peak = c.replicas[l].peak_rss_kib().unwrap_or(0) as f64 / 1024.0;
+        println!(
+            "scale, {name}: {total} frames ({SCALE_COPIES} copies, new repos each), null sink: first 10 % {:.0} frames/s, last 10 % {:.0} frames/s; RSS {:.1} MiB at 10 %, {:.1} MiB at 90 %, {:.1} MiB at the end, peak {peak:.1} MiB; {:.0} s in all",
+            rate(s0, s1),
+            rate(s9, s10),
+            s1.2,
+            s9.2,
+            s10.2,
+            s10.0 - s0.0
+        );
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo bench -- --list` and test harness probes
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async {
-        // Alternated, so drift in the VM's speed hits every figure alike.
         let baseline = std::env::var_os("FIREKEEPER_BENCH_BASELINE").map(PathBuf::from);
-        let (mut raw, mut null, mut jsonl, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut unchained, mut jetstream) = (Vec::new(), Vec::new());
-        let (mut unverified, mut signatures, mut full) = (Vec::new(), Vec::new(), Vec::new());
-        let plc = testkit::plc::Plc::signed_fixture().await;
-        let mut signed_n = 0;
-        let mut n = 0;
-        // FK_BENCH_ONLY=verify measures the verification figures alone.
-        let only_verify = std::env::var("FK_BENCH_ONLY").is_ok_and(|v| v == "verify");
-        for _ in 0..RUNS {
-            for (mode, into) in [("off", &mut unverified), ("signatures", &mut signatures), ("full", &mut full)] {
-                let env = vec![("FIREKEEPER_VERIFY", mode.to_owned()), ("FIREKEEPER_PLC_URL", plc.url())];
-                let spec = Spec {
-                    replicas: 1,
-                    copies: SIGNED_COPIES,
-                    rate: None,
-                    sink: "null",
-                    extra_env: env,
-                    signed: true,
-                    ..Spec::default()
-                };
-                let (total, fps) = throughput_of(spec).await;
-                signed_n = total;
-                into.push(fps);
-            }
-            if only_verify {
-                continue;
-            }
-            raw.push(raw_ceiling().await.1);
-            let (total, fps) = throughput(None, "null").await;
-            n = total;
-            null.push(fps);
-            jsonl.push(throughput(None, "jsonl").await.1);
-            unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await.1);
-            let js = Spec { replicas: 1, copies: COPIES, rate: None, sink: "nats", nats: true, ..Spec::default() };
-            jetstream.push(throughput_of(js).await.1);
-            if let Some(b) = &baseline {
-                base.push(throughput(Some(b.clone()), "null").await.1);
-            }
+        // FK_BENCH_ONLY=verify | throughput | scale measures one group of figures alone.
+        let only = std::env::var("FK_BENCH_ONLY").unwrap_or_default();
+        if only.is_empty() || only == "verify" {
+            let plc = testkit::plc::Plc::signed_fixture().await;
+            verification(&plc).await;
         }
-        let (u, fu) = (median(&mut unverified.clone()), median(&mut full.clone()));
-        println!(
-            "signed capture, {signed_n} frames, null sink, FIREKEEPER_VERIFY=off, {RUNS} runs: {} → median {u:.0} frames/s",
-            runs(&unverified)
-        );
-        println!(
-            "signed capture, FIREKEEPER_VERIFY=signatures, {RUNS} runs: {} → median {:.0} frames/s",
-            runs(&signatures),
-            median(&mut signatures.clone())
-        );
-        println!("signed capture, FIREKEEPER_VERIFY=full, {RUNS} runs: {} → median {fu:.0} frames/s", runs(&full));
-        println!("ratio verified (full) / unverified: {:.2}", fu / u);
-        if only_verify {
+        if only.is_empty() || only == "throughput" {
+            throughput_figures(baseline.as_ref()).await;
+        }
+        if only.is_empty() || only == "scale" {
+            scale(baseline.as_ref()).await;
+        }
+        if !only.is_empty() {
             return;
-        }
-        let (r, f) = (median(&mut raw.clone()), median(&mut null.clone()));
-        println!("raw WebSocket ceiling (read frames only), {n} frames, {RUNS} runs: {} → median {r:.0} frames/s", runs(&raw));
-        println!(
-            "end-to-end relay-sim → firekeeper (redis lease, null sink), {RUNS} runs: {} → median {f:.0} frames/s",
-            runs(&null)
-        );
-        println!("ratio end-to-end / raw ceiling: {:.2}", f / r);
-        println!(
-            "end-to-end without the chain check (FIREKEEPER_CHAIN_BREAKS=off, null sink), {RUNS} runs: {} → median {:.0} frames/s",
-            runs(&unchained),
-            median(&mut unchained.clone())
-        );
-        println!(
-            "end-to-end with the jsonl sink (JSON rendered in the lanes, written to a file), {RUNS} runs: {} → median {:.0} frames/s",
-            runs(&jsonl),
-            median(&mut jsonl.clone())
-        );
-        println!(
-            "end-to-end into JetStream (NATS lease + NATS cursor + JetStream sink, every publish acknowledged), {RUNS} runs: {} → median {:.0} frames/s",
-            runs(&jetstream),
-            median(&mut jetstream.clone())
-        );
-        if let Some(b) = &baseline {
-            println!(
-                "baseline {} (null sink), {RUNS} runs: {} → median {:.0} frames/s",
-                b.display(),
-                runs(&base),
-                median(&mut base.clone())
-            );
         }
         let rss = slow_sink_rss().await;
         println!("peak RSS with a slow webhook sink (20 ms per 100 events): {rss:.1} MiB");

@@ -57,6 +57,50 @@ pub fn repeat_in_time(frames: &[Bytes], times: usize) -> Vec<Bytes> {
     repeat(&out, 1)
 }
 
+/// [`repeat`], each copy with repos of its own: in copy `k` every `did:plc:` identifier
+/// ends in `k` (five base32 characters, same length, so the frame stays valid CBOR), so a
+/// long replay meets as many distinct repos as a real relay does and per-repo state
+/// grows with it. Seqs are renumbered from 1. Block CIDs no longer match their blocks:
+/// for runs without verification.
+#[must_use]
+pub fn repeat_as_new_repos(frames: &[Bytes], times: usize) -> Vec<Bytes> {
+    const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+    const PREFIX: &[u8] = b"did:plc:";
+    let mut out = Vec::with_capacity(frames.len() * times);
+    let mut seq = 0u64;
+    for k in 0..times {
+        let mut tag = [0u8; 5];
+        let mut x = k;
+        for t in tag.iter_mut().rev() {
+            *t = ALPHABET[x % 32];
+            x /= 32;
+        }
+        for f in frames {
+            let mut b = f.to_vec();
+            let mut i = 0;
+            while i + PREFIX.len() + 24 <= b.len() {
+                if &b[i..i + PREFIX.len()] == PREFIX {
+                    let id = i + PREFIX.len();
+                    if b[id..id + 24].iter().all(|c| ALPHABET.contains(c)) {
+                        b[id + 19..id + 24].copy_from_slice(&tag);
+                    }
+                    i = id + 24;
+                } else {
+                    i += 1;
+                }
+            }
+            let b = Bytes::from(b);
+            if crate::frame_seq(&b).is_some() {
+                seq += 1;
+                out.push(crate::with_seq(&b, seq).unwrap_or(b));
+            } else {
+                out.push(b);
+            }
+        }
+    }
+    out
+}
+
 /// The revs a frame names (a commit's rev and since, a sync's rev).
 fn revs_of(f: &[u8]) -> Vec<String> {
     match relay_client::decode(f) {

@@ -69,3 +69,24 @@ fn repeat_in_time_moves_each_copy_a_day_later_and_keeps_frames_valid() {
     }
     assert!(chained > 0, "since still names the previous rev within a copy");
 }
+
+#[test]
+fn repeat_as_new_repos_gives_each_copy_repos_of_its_own_and_keeps_frames_valid() {
+    let frames = testkit::fixture_frames();
+    let repos = |fs: &[bytes::Bytes]| -> std::collections::BTreeSet<String> {
+        fs.iter()
+            .filter_map(|f| match relay_client::decode(f).expect("every frame still decodes") {
+                Frame::Message(m) => m.did().map(str::to_owned),
+                Frame::Error(_) => None,
+            })
+            .collect()
+    };
+    let one = repos(&frames);
+    let three = relay_sim::capture::repeat_as_new_repos(&frames, 3);
+    assert_eq!(keys(&three).len(), 3 * keys(&frames).len(), "every frame still decodes");
+    let plc = one.iter().filter(|d| d.starts_with("did:plc:")).count();
+    assert!(plc > 10, "the fixture names did:plc repos");
+    assert_eq!(repos(&three).len(), one.len() + 2 * plc, "each copy's did:plc repos are new");
+    let seqs: Vec<u64> = three.iter().filter_map(|f| relay_sim::frame_seq(f)).collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "seqs renumbered without gaps");
+}

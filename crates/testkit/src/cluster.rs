@@ -158,6 +158,9 @@ pub struct Spec {
     pub nats: bool,
     /// Replay the signed capture (`fixtures/signed/`) instead of the unsigned one.
     pub signed: bool,
+    /// Each copy with repos of its own ([`capture::repeat_as_new_repos`]), so per-repo
+    /// state grows over a long run as it does on a real relay.
+    pub new_repos: bool,
 }
 
 impl Default for Spec {
@@ -174,6 +177,7 @@ impl Default for Spec {
             secondary_seq_space: false,
             nats: false,
             signed: false,
+            new_repos: false,
         }
     }
 }
@@ -213,6 +217,17 @@ macro_rules! store_server {
 }
 store_server!(crate::RedisServer, "redis");
 store_server!(crate::NatsServer, "nats");
+
+/// The primary relay's frames for a spec.
+fn relay_frames(spec: &Spec) -> Vec<crate::bytes_compat::Bytes> {
+    if spec.secondary {
+        capture::repeat_in_time(&fixture_frames(), spec.copies)
+    } else if spec.new_repos {
+        capture::repeat_as_new_repos(&fixture_frames(), spec.copies)
+    } else {
+        capture::repeat(&if spec.signed { crate::signed_frames() } else { fixture_frames() }, spec.copies)
+    }
+}
 
 /// A running cluster: dropped, it stops the watchers; each `Replica` kills its process.
 pub struct Cluster {
@@ -403,11 +418,7 @@ impl Cluster {
         let redis = RedisServer::start();
         // With a secondary, relay time must keep increasing across copies (switches find
         // their place by time).
-        let frames = if spec.secondary {
-            capture::repeat_in_time(&fixture_frames(), spec.copies)
-        } else {
-            capture::repeat(&if spec.signed { crate::signed_frames() } else { fixture_frames() }, spec.copies)
-        };
+        let frames = relay_frames(&spec);
         let total = frames.iter().filter(|f| relay_sim::frame_seq(f).is_some()).count() as u64;
         let sim_cfg = SimConfig { rate: spec.rate, initial_head: spec.rate.map(|_| 0), ..SimConfig::default() };
         let relay = RelaySim::start_with(frames.clone(), sim_cfg.clone(), "127.0.0.1:0".parse().expect("addr"))
