@@ -37,6 +37,10 @@ use nats_op::async_nats::{HeaderMap, header};
 use nats_op::{Nats, NatsError};
 use relay_client::Message;
 
+/// The client-side bound on unacknowledged publishes: none to speak of (the lanes bound
+/// them with `max_pending`).
+const UNBOUNDED_ACKS: usize = 1 << 24;
+
 /// Where and how the sink publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JetStreamConfig {
@@ -74,6 +78,12 @@ impl Default for JetStreamConfig {
 /// Publishes every event to a JetStream stream.
 pub struct JetStream {
     nats: Nats,
+    /// Publishes go through a context of their own whose in-flight acknowledgements are
+    /// not bounded by the client: the lanes bound them (`max_pending` each). With the
+    /// client's default bound (5,000) lanes writing ahead could hold every permit in
+    /// acknowledgements they will only read after their next publish, which waits for a
+    /// permit: every lane stalled until `publish_timeout`.
+    publisher: jetstream::Context,
     cfg: JetStreamConfig,
     /// The stream's settings, to create it again if it is deleted under the sink.
     stream: stream::Config,
@@ -191,7 +201,11 @@ impl JetStream {
                 "the existing stream's duplicate window is shorter than FIREKEEPER_NATS_DUPLICATE_WINDOW_MS: events republished after a slower failover may be stored twice"
             );
         }
-        Ok(Self { nats: nats.clone(), cfg, stream: config })
+        let publisher = jetstream::context::ContextBuilder::new()
+            .max_ack_inflight(UNBOUNDED_ACKS)
+            .ack_timeout(cfg.publish_timeout)
+            .build(nats.client().clone());
+        Ok(Self { nats: nats.clone(), publisher, cfg, stream: config })
     }
 
     /// The subject of an event.
@@ -237,7 +251,7 @@ impl JetStream {
     /// Sends every event of the batch, in order, and returns their acknowledgements to
     /// come.
     async fn send(&self, batch: &[Event], ctx: &BatchCtx) -> Result<Vec<PublishAckFuture>, Failure> {
-        let js: &jetstream::Context = self.nats.jetstream();
+        let js = &self.publisher;
         let mut acks = Vec::with_capacity(batch.len());
         for e in batch {
             // Right before each publish: a publish may have waited (backpressure) past

@@ -435,3 +435,28 @@ async fn an_unacknowledged_batch_fails_and_its_republication_stores_each_event_o
     assert!(want.iter().all(|w| ids.contains(&w.as_str())), "nothing lost");
     lease.abandon().await;
 }
+
+/// Lanes writing ahead hold many acknowledgements they read only later: more than the
+/// NATS client's own bound on unacknowledged publishes (5,000 by default) must not make
+/// the next publish wait for a permit that only those unread acknowledgements free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_unread_acknowledgements_than_the_clients_default_bound_do_not_stall_publishing() {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir("sink-js-permits");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let cfg = JetStreamConfig { publish_timeout: Duration::from_secs(3), ..JetStreamConfig::default() };
+    let (nats, sink) = js_sink_with(&server.url(), cfg).await;
+    let evs = events(1000);
+    assert_eq!(evs.len(), 1000);
+    let mut pending = Vec::new();
+    for i in 0..6 {
+        // 6,000 publishes with no acknowledgement read yet.
+        let p = sink.submit(&evs, &ctx).await.unwrap_or_else(|e| panic!("submission {i} stalled: {e}"));
+        pending.push(p);
+    }
+    for p in pending {
+        p.await.expect("acknowledged");
+    }
+    assert_eq!(stream_messages(&nats).await.len(), 1000, "the same events six times, stored once");
+    lease.abandon().await;
+}

@@ -1,5 +1,5 @@
-//! `relay-sim --capture FILE [--listen ADDR] [--rate N] [--initial N] [--window-start SEQ]`:
-//! serve a capture file as a local relay until interrupted.
+//! `relay-sim --capture FILE [--listen ADDR] [--rate N] [--initial N] [--window-start SEQ] [--copies N]`:
+//! serve a capture file (repeated `N` times, renumbered) as a local relay until interrupted.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,7 +9,7 @@ use relay_sim::{RelaySim, SimConfig, capture};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: relay-sim --capture FILE [--listen 127.0.0.1:2470] [--rate FRAMES_PER_S] [--initial N] [--window-start SEQ]"
+        "usage: relay-sim --capture FILE [--listen 127.0.0.1:2470] [--rate FRAMES_PER_S] [--initial N] [--window-start SEQ] [--copies N]"
     );
     ExitCode::from(2)
 }
@@ -18,6 +18,7 @@ fn usage() -> ExitCode {
 async fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let (mut path, mut listen, mut cfg) = (None::<PathBuf>, "127.0.0.1:2470".to_owned(), SimConfig::default());
+    let mut copies = 1usize;
     while let Some(a) = args.next() {
         let Some(v) = args.next() else { return usage() };
         let ok = match a.as_str() {
@@ -32,6 +33,7 @@ async fn main() -> ExitCode {
             "--rate" => v.parse().map(|r| cfg.rate = Some(r)).is_ok(),
             "--initial" => v.parse().map(|n| cfg.initial_head = Some(n)).is_ok(),
             "--window-start" => v.parse().map(|s| cfg.window_start = Some(s)).is_ok(),
+            "--copies" => v.parse().map(|n| copies = n).is_ok_and(|()| copies > 0),
             _ => false,
         };
         if !ok {
@@ -45,6 +47,7 @@ async fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let frames = match capture::read(&path) {
+        Ok(f) if copies > 1 => capture::repeat(&f, copies),
         Ok(f) => f,
         Err(e) => {
             eprintln!("relay-sim: {}: {e}", path.display());
