@@ -107,3 +107,22 @@ pub const ALL: &[Metric] = &[
     gauge(CHAIN_REPOS, "repos the chain check remembers"),
     gauge(SWITCH_REFUSED_NOW, "1 while a refused relay switch holds the leader on its relay"),
 ];
+
+/// `firekeeper_events_total`, one handle per type, registered once per term: the
+/// per-event increment is then an atomic add, with no registry lookup of name and labels.
+pub(crate) struct EventCounters([metrics::Counter; 6]);
+
+impl EventCounters {
+    pub(crate) fn new() -> Self {
+        use relay_client::Kind;
+        Self(
+            [Kind::Commit, Kind::Sync, Kind::Identity, Kind::Account, Kind::Info, Kind::Unknown]
+                .map(|k| metrics::counter!(EVENTS, "type" => k.as_str())),
+        )
+    }
+
+    /// Counts one event of kind `k`.
+    pub(crate) fn count(&self, k: relay_client::Kind) {
+        self.0[k as usize].increment(1);
+    }
+}

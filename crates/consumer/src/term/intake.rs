@@ -92,7 +92,7 @@ impl Leader<'_, '_> {
             return self.pass(seq);
         }
         if !hidden {
-            metrics::counter!(m::EVENTS, "type" => m.kind().as_str()).increment(1);
+            self.events.count(m.kind());
         }
         if let Some(t) = m.time() {
             self.last_time.clear();

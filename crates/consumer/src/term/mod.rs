@@ -228,6 +228,8 @@ struct Leader<'a, 'c> {
     recent: Option<Recent>,
     /// Each recent repo's last rev, for the chain check (`None` when it is off).
     chains: Option<Chains>,
+    /// The events counter by type, registered once.
+    events: crate::metrics::EventCounters,
 }
 
 impl Leader<'_, '_> {

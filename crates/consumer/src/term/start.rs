@@ -158,6 +158,7 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         last_time: String::new(),
         recent,
         chains,
+        events: m::EventCounters::new(),
     };
     l.begin(role, cursor);
     match l.run().await {
