@@ -348,7 +348,7 @@ async fn scale(bin: Option<&PathBuf>) {
         let (l, _) = c.wait_leader(None).await;
         let total = c.total;
         let pid = c.replicas[l].pid();
-        // (seconds since start, committed, RSS MiB), sampled every 250 ms.
+        // (seconds since start, committed, RSS MiB), sampled every 20 ms.
         let mut samples: Vec<(f64, u64, f64)> = Vec::new();
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_mins(30);
@@ -363,7 +363,7 @@ async fn scale(bin: Option<&PathBuf>) {
                 "scale run unfinished at {committed} of {total}; logs in {}",
                 c.dir.display()
             );
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // The first sample at or past a fraction of the stream.
         let at = |frac: f64| {
@@ -375,13 +375,14 @@ async fn scale(bin: Option<&PathBuf>) {
         let (s0, s1, s9, s10) = (at(0.0001), at(0.1), at(0.9), at(1.0));
         let peak = c.replicas[l].peak_rss_kib().unwrap_or(0) as f64 / 1024.0;
         println!(
-            "scale, {name}: {total} frames ({SCALE_COPIES} copies, new repos each), null sink: first 10 % {:.0} frames/s, last 10 % {:.0} frames/s; RSS {:.1} MiB at 10 %, {:.1} MiB at 90 %, {:.1} MiB at the end, peak {peak:.1} MiB; {:.0} s in all",
+            "scale, {name}: {total} frames ({SCALE_COPIES} copies, new repos each), null sink: first 10 % {:.0} frames/s, last 10 % {:.0} frames/s; RSS {:.1} MiB at 10 %, {:.1} MiB at 90 %, {:.1} MiB at the end, peak {peak:.1} MiB; {:.1} s in all, {:.0} frames/s",
             rate(s0, s1),
             rate(s9, s10),
             s1.2,
             s9.2,
             s10.2,
-            s10.0 - s0.0
+            s10.0 - s0.0,
+            rate(s0, s10)
         );
     }
 }
