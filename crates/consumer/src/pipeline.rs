@@ -34,8 +34,15 @@ pub(crate) enum LaneStop {
 /// Retries of a failed batch: 100 ms doubling to 10 s, jittered.
 const RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(100), max: Duration::from_secs(10) };
 
+/// Events staged for a lane are sent together once this many are staged (or when the
+/// socket has nothing more ready): one channel send and at most one wake-up of the lane
+/// per chunk instead of per event.
+pub(crate) const CHUNK: usize = 64;
+
 pub(crate) struct Pipeline {
-    pub(crate) lanes: Vec<mpsc::Sender<Event>>,
+    pub(crate) lanes: Vec<mpsc::Sender<Vec<Event>>>,
+    /// Per lane, events delivered to the window and not yet sent to the lane.
+    pub(crate) staged: Vec<Vec<Event>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     pub(crate) done: mpsc::UnboundedReceiver<Done>,
     pub(crate) watermark: Watermark,
@@ -63,7 +70,7 @@ impl Pipeline {
         let mut lanes = Vec::with_capacity(lanes_n);
         let mut tasks = Vec::with_capacity(lanes_n);
         for index in 0..lanes_n {
-            let (tx, rx) = mpsc::channel(shape.queue_depth);
+            let (tx, rx) = mpsc::channel(shape.queue_depth.div_ceil(CHUNK));
             lanes.push(tx);
             let lane = Lane {
                 index,
@@ -78,8 +85,9 @@ impl Pipeline {
         // Every lane holds at most `queue_depth` queued events, the batch it is writing
         // and what it wrote ahead; the window also keeps finished events behind an
         // unfinished one. Intake waits while the window is full, whatever fills it.
-        let capacity = lanes_n * (shape.queue_depth + batch_max + write_ahead);
+        let capacity = lanes_n * (shape.queue_depth.div_ceil(CHUNK) * CHUNK + CHUNK + batch_max + write_ahead);
         Self {
+            staged: (0..lanes.len()).map(|_| Vec::with_capacity(CHUNK)).collect(),
             lanes,
             tasks,
             done,
@@ -114,8 +122,40 @@ impl Pipeline {
         Ok(())
     }
 
+    /// True when some lane has events staged.
+    pub(crate) fn has_staged(&self) -> bool {
+        self.staged.iter().any(|s| !s.is_empty())
+    }
+
+    /// Sends what is staged for each lane that has room now; `Err` with a lane whose
+    /// queue is full (its staged events stay staged).
+    pub(crate) fn flush_ready(&mut self) -> Result<(), usize> {
+        let mut full = Ok(());
+        for (i, staged) in self.staged.iter_mut().enumerate() {
+            if staged.is_empty() {
+                continue;
+            }
+            match self.lanes[i].try_reserve() {
+                Ok(permit) => permit.send(std::mem::replace(staged, Vec::with_capacity(CHUNK))),
+                Err(_) => full = Err(i),
+            }
+        }
+        full
+    }
+
+    /// Sends lane `i`'s staged events, waiting for room; `false` when the lane is gone.
+    pub(crate) async fn flush_lane(&mut self, i: usize) -> bool {
+        let chunk = std::mem::replace(&mut self.staged[i], Vec::with_capacity(CHUNK));
+        chunk.is_empty() || self.lanes[i].send(chunk).await.is_ok()
+    }
+
     /// Closes the lanes and waits until every delivered event is done.
     pub(crate) async fn drain(&mut self) -> Result<(), LaneStop> {
+        for i in 0..self.lanes.len() {
+            if !self.flush_lane(i).await {
+                return Err(LaneStop::Handler(HandlerError::failed("lanes", "ended with events staged")));
+            }
+        }
         self.lanes.clear();
         while !self.watermark.is_idle() {
             match self.done.recv().await {
@@ -170,6 +210,11 @@ struct InFlight {
     pending: Pending,
 }
 
+/// The next chunk: at once (empty) while events are carried over, else from the queue.
+async fn recv_after(carry: &mut VecDeque<Event>, rx: &mut mpsc::Receiver<Vec<Event>>) -> Option<Vec<Event>> {
+    if carry.is_empty() { rx.recv().await } else { Some(Vec::new()) }
+}
+
 /// The oldest write in flight; never resolves when there is none.
 async fn oldest(q: &mut VecDeque<InFlight>) -> Result<(), HandlerError> {
     match q.front_mut() {
@@ -182,10 +227,12 @@ impl Lane {
     /// Takes batches off the lane's queue in order and submits them; with a handler that
     /// writes ahead, up to [`Handler::write_ahead`] events are submitted and not yet
     /// durable, and each batch is reported done once its write is.
-    async fn run(self, mut rx: mpsc::Receiver<Event>, done: mpsc::UnboundedSender<Done>) {
+    async fn run(self, mut rx: mpsc::Receiver<Vec<Event>>, done: mpsc::UnboundedSender<Done>) {
         let ahead = self.handler.write_ahead();
         let mut inflight: VecDeque<InFlight> = VecDeque::new();
         let mut held = 0usize;
+        // Events received beyond the last batch's size, first in the next.
+        let mut carry: VecDeque<Event> = VecDeque::new();
         loop {
             let room = inflight.is_empty() || held < ahead;
             tokio::select! {
@@ -197,16 +244,17 @@ impl Lane {
                         return;
                     }
                 }
-                e = rx.recv(), if room => {
-                    let Some(e) = e else { break };
-                    let mut batch = Vec::with_capacity(self.batch_max);
-                    batch.push(e);
-                    while batch.len() < self.batch_max {
+                chunk = recv_after(&mut carry, &mut rx), if room => {
+                    let Some(chunk) = chunk else { break };
+                    carry.extend(chunk);
+                    while carry.len() < self.batch_max {
                         match rx.try_recv() {
-                            Ok(e) => batch.push(e),
+                            Ok(chunk) => carry.extend(chunk),
                             Err(_) => break,
                         }
                     }
+                    let n = carry.len().min(self.batch_max);
+                    let mut batch: Vec<Event> = carry.drain(..n).collect();
                     let mut seqs: Vec<u64> = Vec::new();
                     let mut stop = None;
                     if let Some(v) = &self.verifier {

@@ -10,6 +10,7 @@ use crate::chain::{ChainBreak, ChainBreaks, Chains};
 use crate::error::Fatal;
 use crate::handler::Event;
 use crate::metrics as m;
+use crate::pipeline::CHUNK;
 
 /// This process's clock, Unix ms.
 fn now_ms() -> i64 {
@@ -99,19 +100,6 @@ impl Leader<'_, '_> {
             self.last_time.push_str(t);
         }
         let lane = self.p.lane_of(m.did());
-        // Fast path: a lane with room needs no wait (and no waiters registered on the
-        // term and shutdown tokens per event); a full one is waited on, guarded.
-        let permit = match self.p.lanes[lane].try_reserve() {
-            Ok(permit) => permit,
-            Err(mpsc::error::TrySendError::Closed(())) => return Step::End(TermEnd::Lost),
-            Err(mpsc::error::TrySendError::Full(())) => {
-                match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
-                    Ok(Ok(permit)) => permit,
-                    Ok(Err(_)) => return Step::End(TermEnd::Lost),
-                    Err(i) => return i.into(),
-                }
-            }
-        };
         if let Err(error) = self.p.watermark.deliver(seq) {
             // Intake only reads while the window has room, and the client delivers in
             // increasing seq order: this is a bug, and skipping would lose the event.
@@ -123,7 +111,44 @@ impl Leader<'_, '_> {
         if let Some(b) = emit {
             e.set_chain_break(b);
         }
-        permit.send(e);
+        self.p.staged[lane].push(e);
+        if self.p.staged[lane].len() >= CHUNK {
+            return self.flush_lane(lane).await;
+        }
+        Step::Next
+    }
+
+    /// Sends lane `lane`'s staged events: at once when it has room (the fast path needs
+    /// no waiters registered on the term and shutdown tokens), else waited for, guarded.
+    pub(super) async fn flush_lane(&mut self, lane: usize) -> Step {
+        let chunk = std::mem::take(&mut self.p.staged[lane]);
+        let permit = match self.p.lanes[lane].try_reserve() {
+            Ok(permit) => permit,
+            Err(mpsc::error::TrySendError::Closed(())) => return Step::End(TermEnd::Lost),
+            Err(mpsc::error::TrySendError::Full(())) => {
+                match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
+                    Ok(Ok(permit)) => permit,
+                    Ok(Err(_)) => return Step::End(TermEnd::Lost),
+                    Err(i) => return i.into(),
+                }
+            }
+        };
+        permit.send(chunk);
+        Step::Next
+    }
+
+    /// Sends every lane's staged events, waiting where a lane is full.
+    pub(super) async fn flush_all(&mut self) -> Step {
+        if let Err(full) = self.p.flush_ready() {
+            for lane in full..self.p.lanes.len() {
+                if !self.p.staged[lane].is_empty() {
+                    let step = self.flush_lane(lane).await;
+                    if !matches!(step, Step::Next) {
+                        return step;
+                    }
+                }
+            }
+        }
         Step::Next
     }
 

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use checkpoint::{CursorStore, StoreError};
+use futures_util::FutureExt as _;
 use lease::{LeaseHandle, StepDownError, Term};
 use relay_client::backoff::{Backoff, BackoffConfig};
 use relay_client::{RelayRole, RelayUrl, Subscription};
@@ -238,8 +239,27 @@ impl Leader<'_, '_> {
         let mut tick = tokio::time::interval(self.cx.settings.options.commit_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let cancel = self.term.cancellation();
+        let mut burst = 0usize;
         loop {
             let has_room = self.p.watermark.has_room();
+            if self.p.has_staged() {
+                // Read on while the socket has frames ready (a bounded burst, so the tick,
+                // the lanes' results and cancellation are still seen); before waiting,
+                // send what is staged, so a quiet stream's events are not held back.
+                let ready = if has_room && burst < BURST { self.sub.next().now_or_never() } else { None };
+                let step = if let Some(item) = ready {
+                    burst += 1;
+                    self.on_item(item).await
+                } else {
+                    burst = 0;
+                    self.flush_all().await
+                };
+                match step {
+                    Step::Next => continue,
+                    Step::Shutdown => return None,
+                    Step::End(end) => return Some(self.ended(end)),
+                }
+            }
             let step = tokio::select! {
                 biased;
                 () = cancel.cancelled() => Step::End(TermEnd::Lost),
@@ -257,16 +277,21 @@ impl Leader<'_, '_> {
             match step {
                 Step::Next => {}
                 Step::Shutdown => return None,
-                Step::End(end) => {
-                    if matches!(end, TermEnd::Lost) {
-                        tracing::warn!(token = self.term.token(), "term ended: intake stopped");
-                    }
-                    return Some(end);
-                }
+                Step::End(end) => return Some(self.ended(end)),
             }
         }
     }
+
+    fn ended(&self, end: TermEnd) -> TermEnd {
+        if matches!(end, TermEnd::Lost) {
+            tracing::warn!(token = self.term.token(), "term ended: intake stopped");
+        }
+        end
+    }
 }
+
+/// Frames read in a row without looking at the tick, the lanes' results or cancellation.
+const BURST: usize = 256;
 
 /// Runs one term until it is lost, shut down, or hits a fatal condition.
 pub(crate) async fn run_term(cx: &Ctx<'_>, term: Term) -> TermEnd {
