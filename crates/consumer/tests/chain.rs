@@ -4,10 +4,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use consumer::{BatchCtx, Builder, ChainBreak, ChainBreaks, CollectionFilter, Event, Handler, HandlerError, Options};
-use relay_client::{Message, RelayUrl};
-use relay_sim::{RelaySim, SimConfig};
+use consumer::{BatchCtx, ChainBreak, ChainBreaks, CollectionFilter, Event, Handler, HandlerError, Options};
+use relay_client::Message;
 use testkit::{WAIT, eventually};
+
+mod local;
 
 /// Records the seqs handed over and the chain breaks with their seqs.
 #[derive(Default)]
@@ -71,28 +72,10 @@ fn commits(frames: &[bytes::Bytes]) -> Vec<(u64, String, String, usize)> {
 /// what the handler saw.
 async fn consume(frames: Vec<bytes::Bytes>, options: Options, name: &str) -> Arc<Seen> {
     let last = frames.iter().filter_map(|f| relay_sim::frame_seq(f)).max().expect("seqs");
-    let sim = RelaySim::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("a")).await.expect("sim");
-    let relay = RelayUrl::parse(&sim.url()).expect("url");
-    let dir = testkit::tmpdir(name);
-    let lock = dir.join("lease.lock");
-    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
-    store.force(relay.fingerprint(), 0).await.expect("seed");
     let seen = Arc::new(Seen::default());
-    let c = Builder::new(relay)
-        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
-        .store(store)
-        .shared_handler(seen.clone())
-        .options(options)
-        .build()
-        .expect("build");
-    let status = c.status();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(c.run(async {
-        let _ = stopped.await;
-    }));
-    eventually("the whole stream committed", WAIT, async || status.snapshot().committed >= Some(last)).await;
-    let _ = stop.send(());
-    run.await.expect("join").expect("clean stop");
+    let c = local::Local::start(frames, seen.clone(), options, name).await;
+    eventually("the whole stream committed", WAIT, async || c.status.snapshot().committed >= Some(last)).await;
+    c.stop().await;
     seen
 }
 

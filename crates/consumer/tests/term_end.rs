@@ -10,6 +10,8 @@ use relay_client::RelayUrl;
 use relay_sim::{RelaySim, SimConfig};
 use tokio::sync::Notify;
 
+mod local;
+
 /// Blocks in its first batch until released; counts calls, and calls after `stopped`.
 #[derive(Default)]
 struct Gate {
@@ -98,37 +100,19 @@ impl Handler for Slowish {
 async fn commits_keep_up_while_the_stream_is_busy() {
     let frames = relay_sim::capture::repeat(&testkit::fixture_frames(), 10);
     let total = frames.len();
-    let sim = RelaySim::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("a")).await.expect("sim");
-    let relay = RelayUrl::parse(&sim.url()).expect("url");
-    let dir = testkit::tmpdir("busy");
-    let lock = dir.join("lease.lock");
-    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
-    store.force(relay.fingerprint(), 0).await.expect("seed");
     let h = Arc::new(Slowish::default());
     let options = Options { commit_interval: Duration::from_millis(20), ..Options::default() };
-    let consumer = Builder::new(relay)
-        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
-        .store(store)
-        .shared_handler(h.clone())
-        .options(options)
-        .build()
-        .expect("build");
-    let status = consumer.status();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(consumer.run(async {
-        let _ = stopped.await;
-    }));
+    let c = local::Local::start(frames, h.clone(), options, "busy").await;
     // Sample: did a commit land while most of the stream was still to come?
     let mut committed_mid_stream = false;
     testkit::eventually("the stream consumed", testkit::WAIT, async || {
         let done = h.0.load(Ordering::SeqCst);
-        if done < total / 2 && status.snapshot().committed.is_some_and(|c| c > 0) {
+        if done < total / 2 && c.status.snapshot().committed.is_some_and(|c| c > 0) {
             committed_mid_stream = true;
         }
         done >= total
     })
     .await;
-    let _ = stop.send(());
-    run.await.expect("join").expect("clean stop");
+    c.stop().await;
     assert!(committed_mid_stream, "no commit landed while the first half of the stream was being handled");
 }

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use consumer::{BatchCtx, Builder, Event, Handler, HandlerError, Options, Pending, async_trait};
-use relay_client::RelayUrl;
-use relay_sim::{RelaySim, SimConfig};
+use consumer::{BatchCtx, Event, Handler, HandlerError, Options, Pending, async_trait};
 use tokio::sync::oneshot;
+
+mod local;
 
 const AHEAD: usize = 64;
 const BATCH: usize = 16;
@@ -75,27 +75,10 @@ impl Handler for Ahead {
 async fn the_cursor_passes_only_durable_writes_and_a_failed_one_is_submitted_again() {
     let frames = testkit::fixture_frames();
     let last = frames.iter().filter_map(|f| relay_sim::frame_seq(f)).max().expect("seqs");
-    let sim = RelaySim::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("a")).await.expect("sim");
-    let relay = RelayUrl::parse(&sim.url()).expect("url");
-    let dir = testkit::tmpdir("write-ahead");
-    let lock = dir.join("lease.lock");
-    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
-    store.force(relay.fingerprint(), 0).await.expect("seed");
     let h = Arc::new(Ahead::default());
     let options = Options { lanes: 1, commit_interval: Duration::from_millis(20), ..Options::default() };
-    let consumer = Builder::new(relay)
-        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
-        .store(store)
-        .shared_handler(h.clone())
-        .options(options)
-        .build()
-        .expect("build");
-    let status = consumer.status();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let run = tokio::spawn(consumer.run(async {
-        let _ = stopped.await;
-    }));
-    let committed = || status.snapshot().committed.unwrap_or(0);
+    let c = local::Local::start(frames, h.clone(), options, "write-ahead").await;
+    let committed = || c.status.snapshot().committed.unwrap_or(0);
 
     // Nothing durable, yet the lane writes ahead: up to AHEAD events, then it waits.
     testkit::eventually("the lane writes ahead", testkit::WAIT, async || h.submitted_events() >= AHEAD).await;
@@ -130,6 +113,5 @@ async fn the_cursor_passes_only_durable_writes_and_a_failed_one_is_submitted_aga
         committed() == last
     })
     .await;
-    let _ = stop.send(());
-    run.await.expect("join").expect("clean stop");
+    c.stop().await;
 }
