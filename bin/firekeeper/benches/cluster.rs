@@ -319,15 +319,6 @@ async fn throughput_figures(baseline: Option<&PathBuf>) {
 /// Copies of the fixture in the scale run: 1,356 × 1,476 = 2,001,456 frames.
 const SCALE_COPIES: usize = 1356;
 
-/// Current resident set of a process, MiB.
-fn rss_mib(pid: Option<u32>) -> f64 {
-    let Some(s) = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok()) else { return 0.0 };
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |k| k / 1024.0)
-}
-
 /// Over 2 million frames, each copy of the capture with repos of its own: frames/s and
 /// resident memory in the first and the last tenth of the run, so any state that grows
 /// with the stream (per-repo chain check, switch dedupe) shows as a slope.
@@ -347,14 +338,15 @@ async fn scale(bin: Option<&PathBuf>) {
         c.start_all();
         let (l, _) = c.wait_leader(None).await;
         let total = c.total;
-        let pid = c.replicas[l].pid();
         // (seconds since start, committed, RSS MiB), sampled every 20 ms.
         let mut samples: Vec<(f64, u64, f64)> = Vec::new();
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_mins(30);
         loop {
             let committed = c.replicas[l].status().await.and_then(|s| s["committed"].as_u64()).unwrap_or(0);
-            samples.push((t0.elapsed().as_secs_f64(), committed, rss_mib(pid)));
+            #[allow(clippy::cast_precision_loss)]
+            let rss = c.replicas[l].rss_kib().unwrap_or(0) as f64 / 1024.0;
+            samples.push((t0.elapsed().as_secs_f64(), committed, rss));
             if committed >= total {
                 break;
             }

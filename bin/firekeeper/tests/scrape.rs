@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use testkit::cluster::{Cluster, Spec};
-use testkit::{WAIT, free_port};
+use testkit::{WAIT, eventually, free_port};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The lease ttl of the test cluster; the no-leader alert's `for:` is scaled to 2 × ttl as
@@ -100,23 +100,28 @@ async fn query(addr: &str, promql: &str) -> Vec<serde_json::Value> {
 
 /// Waits until `promql` returns exactly the given `instance` labels.
 async fn wait_instances(prom: &Prometheus, promql: &str, want: &[&str], dir: &Path) {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    let what = format!("{promql} to return instances {want:?}; logs in {}", dir.display());
+    eventually(&what, WAIT, async || {
         let got: Vec<String> = query(&prom.addr, promql)
             .await
             .iter()
             .filter_map(|s| s["metric"]["instance"].as_str().map(str::to_owned))
             .collect();
-        if got.len() == want.len() && want.iter().all(|w| got.iter().any(|g| g == w)) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{promql}: Prometheus says {got:?}, want {want:?}; logs in {}",
-            dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        got.len() == want.len() && want.iter().all(|w| got.iter().any(|g| g == w))
+    })
+    .await;
+}
+
+/// True when Prometheus has evaluated `FirekeeperNoLeader` without error.
+async fn no_leader_rule_evaluated(prom: &Prometheus) -> bool {
+    let rules = api(&prom.addr, "/api/v1/rules").await.unwrap_or_default();
+    rules["data"]["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
+        .find(|r| r["name"] == "FirekeeperNoLeader")
+        .is_some_and(|r| r["health"] == "ok" && r["lastEvaluation"].as_str().is_some_and(|t| !t.starts_with("0001")))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -131,35 +136,16 @@ async fn prometheus_follows_a_handover_and_the_no_leader_alert_fires_only_withou
     wait_instances(&prom, "firekeeper_leader == 1", &[&targets[first]], &c.dir).await;
 
     // The shipped rules loaded and are evaluated (an alert that is never evaluated never fires).
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let rules = api(&prom.addr, "/api/v1/rules").await.unwrap_or_default();
-        let no_leader = rules["data"]["groups"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
-            .find(|r| r["name"] == "FirekeeperNoLeader");
-        if no_leader.as_ref().is_some_and(|r| {
-            r["health"] == "ok" && r["lastEvaluation"].as_str().is_some_and(|t| !t.starts_with("0001"))
-        }) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "FirekeeperNoLeader not evaluated: {no_leader:?}; logs in {}",
-            c.dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    let logs = format!("logs in {}", c.dir.display());
+    eventually(&format!("FirekeeperNoLeader evaluated; {logs}"), WAIT, async || no_leader_rule_evaluated(&prom).await)
+        .await;
 
     // Prometheus' first evaluations, before its first scrape, see no leader (a fresh
     // Prometheus knows none): wait until the alert is quiet with the leader in view.
-    let deadline = Instant::now() + WAIT;
-    while !query(&prom.addr, "ALERTS{alertname=\"FirekeeperNoLeader\"}").await.is_empty() {
-        assert!(Instant::now() < deadline, "FirekeeperNoLeader active with a leader; logs in {}", c.dir.display());
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    eventually(&format!("FirekeeperNoLeader quiet with a leader; {logs}"), WAIT, async || {
+        query(&prom.addr, "ALERTS{alertname=\"FirekeeperNoLeader\"}").await.is_empty()
+    })
+    .await;
 
     // A clean handover: the leader drains and releases; a standby leads.
     let handover = Instant::now();
@@ -183,13 +169,8 @@ async fn prometheus_follows_a_handover_and_the_no_leader_alert_fires_only_withou
             assert!(c.replicas[i].sigterm().await);
         }
     }
-    let deadline = Instant::now() + WAIT;
-    while query(&prom.addr, "ALERTS{alertname=\"FirekeeperNoLeader\",alertstate=\"firing\"}").await.is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "FirekeeperNoLeader did not fire with every replica down; logs in {}",
-            c.dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    eventually(&format!("FirekeeperNoLeader to fire with every replica down; {logs}"), WAIT, async || {
+        !query(&prom.addr, "ALERTS{alertname=\"FirekeeperNoLeader\",alertstate=\"firing\"}").await.is_empty()
+    })
+    .await;
 }

@@ -127,25 +127,9 @@ impl Pipeline {
         self.staged.iter().any(|s| !s.is_empty())
     }
 
-    /// Sends what is staged for each lane that has room now; `Err` with a lane whose
-    /// queue is full (its staged events stay staged).
-    pub(crate) fn flush_ready(&mut self) -> Result<(), usize> {
-        let mut full = Ok(());
-        for (i, staged) in self.staged.iter_mut().enumerate() {
-            if staged.is_empty() {
-                continue;
-            }
-            match self.lanes[i].try_reserve() {
-                Ok(permit) => permit.send(std::mem::replace(staged, Vec::with_capacity(CHUNK))),
-                Err(_) => full = Err(i),
-            }
-        }
-        full
-    }
-
     /// Sends lane `i`'s staged events, waiting for room; `false` when the lane is gone.
     pub(crate) async fn flush_lane(&mut self, i: usize) -> bool {
-        let chunk = std::mem::replace(&mut self.staged[i], Vec::with_capacity(CHUNK));
+        let chunk = std::mem::take(&mut self.staged[i]);
         chunk.is_empty() || self.lanes[i].send(chunk).await.is_ok()
     }
 

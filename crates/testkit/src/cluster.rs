@@ -117,10 +117,19 @@ impl Replica {
     /// Peak resident set size in KiB.
     #[must_use]
     pub fn peak_rss_kib(&self) -> Option<u64> {
+        self.proc_status_kib("VmHWM:")
+    }
+
+    /// Current resident set size in KiB.
+    #[must_use]
+    pub fn rss_kib(&self) -> Option<u64> {
+        self.proc_status_kib("VmRSS:")
+    }
+
+    /// A `kB` field of `/proc/PID/status`.
+    fn proc_status_kib(&self, field: &str) -> Option<u64> {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
-        s.lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        s.lines().find_map(|l| l.strip_prefix(field)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
     }
 }
 

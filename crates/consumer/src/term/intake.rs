@@ -139,13 +139,11 @@ impl Leader<'_, '_> {
 
     /// Sends every lane's staged events, waiting where a lane is full.
     pub(super) async fn flush_all(&mut self) -> Step {
-        if let Err(full) = self.p.flush_ready() {
-            for lane in full..self.p.lanes.len() {
-                if !self.p.staged[lane].is_empty() {
-                    let step = self.flush_lane(lane).await;
-                    if !matches!(step, Step::Next) {
-                        return step;
-                    }
+        for lane in 0..self.p.lanes.len() {
+            if !self.p.staged[lane].is_empty() {
+                let step = self.flush_lane(lane).await;
+                if !matches!(step, Step::Next) {
+                    return step;
                 }
             }
         }
