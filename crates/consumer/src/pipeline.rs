@@ -217,6 +217,8 @@ impl Lane {
         let mut held = 0usize;
         // Events received beyond the last batch's size, first in the next.
         let mut carry: VecDeque<Event> = VecDeque::new();
+        // Where events are rendered before each is copied out at its own size.
+        let mut scratch = String::new();
         loop {
             let room = inflight.is_empty() || held < ahead;
             tokio::select! {
@@ -253,7 +255,7 @@ impl Lane {
                         });
                     }
                     if let Some(r) = &self.render {
-                        render_batch(&mut batch, r);
+                        render_batch(&mut batch, r, &mut scratch);
                     }
                     if batch.is_empty() {
                         let _ = done.send(Ok(seqs));
@@ -374,8 +376,12 @@ impl Lane {
     }
 }
 
-/// Renders each event of the batch once, here in its lane (so lanes render in parallel).
-fn render_batch(batch: &mut [Event], r: &Render) {
+/// Renders each event of the batch once, here in its lane (so lanes render in parallel),
+/// into the lane's `scratch` buffer and then into a string of just the event's size (a
+/// frame's CAR makes its size a poor guess for its JSON's).
+fn render_batch(batch: &mut [Event], r: &Render, scratch: &mut String) {
+    /// A scratch buffer grown past this by one huge event is not kept.
+    const KEEP: usize = 1 << 20;
     for e in batch {
         if let Some(i) = e.invalid() {
             let mut json = String::with_capacity(256);
@@ -383,8 +389,8 @@ fn render_batch(batch: &mut [Event], r: &Render) {
             e.set_json(json);
             continue;
         }
-        let mut json = String::with_capacity(e.bytes().len() * 2);
-        let written = render(e.message(), r, &mut json);
+        scratch.clear();
+        let written = render(e.message(), r, scratch);
         if written.record_errors > 0 {
             metrics::counter!(m::RECORD_ERRORS).increment(written.record_errors as u64);
             tracing::warn!(
@@ -393,6 +399,9 @@ fn render_batch(batch: &mut [Event], r: &Render) {
                 "records that could not be decoded were written as null"
             );
         }
-        e.set_json(json);
+        e.set_json(scratch.as_str().to_owned());
+        if scratch.capacity() > KEEP {
+            *scratch = String::new();
+        }
     }
 }

@@ -114,21 +114,34 @@ impl fmt::Debug for Cid<'_> {
     }
 }
 
-/// RFC 4648 base32, lower case, no padding (multibase `b`).
+/// RFC 4648 base32, lower case, no padding (multibase `b`): five bytes become eight
+/// letters, gathered on the stack and appended at once.
 pub fn base32_lower(data: &[u8], out: &mut String) {
     const ALPHA: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
-    let mut acc: u64 = 0;
-    let mut bits = 0u32;
-    for &b in data {
-        acc = (acc << 8) | u64::from(b);
-        bits += 8;
-        while bits >= 5 {
-            bits -= 5;
-            out.push(ALPHA[((acc >> bits) & 31) as usize] as char);
+    out.reserve(data.len().div_ceil(5) * 8);
+    let mut buf = [0u8; 64];
+    for group in data.chunks(40) {
+        let mut n = 0;
+        let mut chunks = group.chunks_exact(5);
+        for c in &mut chunks {
+            let v = u64::from_be_bytes([0, 0, 0, c[0], c[1], c[2], c[3], c[4]]);
+            for k in 0..8 {
+                buf[n + k] = ALPHA[((v >> (35 - 5 * k)) & 31) as usize];
+            }
+            n += 8;
         }
-    }
-    if bits > 0 {
-        out.push(ALPHA[((acc << (5 - bits)) & 31) as usize] as char);
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut five = [0u8; 8];
+            five[3..3 + rest.len()].copy_from_slice(rest);
+            let v = u64::from_be_bytes(five);
+            for k in 0..(rest.len() * 8).div_ceil(5) {
+                buf[n] = ALPHA[((v >> (35 - 5 * k)) & 31) as usize];
+                n += 1;
+            }
+        }
+        // Every letter is ASCII.
+        out.push_str(std::str::from_utf8(&buf[..n]).unwrap_or_default());
     }
 }
 
@@ -174,6 +187,34 @@ mod tests {
             let mut s = String::new();
             base64_std(&b"foobar"[..i], &mut s);
             assert_eq!(&s, want);
+        }
+    }
+
+    /// The bit-at-a-time form of base32, to check the five-byte groups against.
+    fn base32_bitwise(data: &[u8]) -> String {
+        const ALPHA: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+        let (mut acc, mut bits, mut s) = (0u64, 0u32, String::new());
+        for &b in data {
+            acc = (acc << 8) | u64::from(b);
+            bits += 8;
+            while bits >= 5 {
+                bits -= 5;
+                s.push(char::from(ALPHA[((acc >> bits) & 31) as usize]));
+            }
+        }
+        if bits > 0 {
+            s.push(char::from(ALPHA[((acc << (5 - bits)) & 31) as usize]));
+        }
+        s
+    }
+
+    #[test]
+    fn base32_groups_match_the_bitwise_form_at_every_length() {
+        let data: Vec<u8> = (0..200u32).map(|i| (i.wrapping_mul(151) ^ (i >> 3)) as u8).collect();
+        for len in 0..data.len() {
+            let mut s = String::from("x");
+            base32_lower(&data[..len], &mut s);
+            assert_eq!(s[1..], base32_bitwise(&data[..len]), "length {len}");
         }
     }
 
