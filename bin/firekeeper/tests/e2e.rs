@@ -240,6 +240,19 @@ fn config_errors_name_every_bad_variable_and_exit_2() {
     assert!(String::from_utf8_lossy(&ok.stdout).contains("configuration ok"));
 }
 
+/// The binary runs on jemalloc with the decay settings of `.cargo/config.toml` (freed
+/// pages back within 500 ms: without them resident memory doubles under load).
+#[test]
+fn the_binary_allocates_through_jemalloc_with_the_shipped_decay_settings() {
+    let env: HashMap<String, String> = [("_RJEM_MALLOC_CONF".to_owned(), "stats_print:true".to_owned())].into();
+    let out = run_once(&env, &["settings"]);
+    assert!(out.status.success());
+    let stats = String::from_utf8_lossy(&out.stderr);
+    for want in ["opt.dirty_decay_ms: 500", "opt.muzzy_decay_ms: 0"] {
+        assert!(stats.contains(want), "{want} not in jemalloc's statistics:\n{}", &stats[..stats.len().min(2000)]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_status_are_scraped_while_leading() {
     let relay = sim(None).await;
