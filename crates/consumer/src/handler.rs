@@ -1,6 +1,8 @@
 //! What the consumer hands out: typed events in batches, to a [`Handler`] that accepts a
 //! batch (the cursor may then move past it) or refuses it.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use lease::Term;
 use relay_client::json::{FrameOptions, Written, write_message_with};
@@ -15,7 +17,7 @@ use crate::verify::Invalid;
 #[derive(Debug)]
 pub struct Event {
     frame: OwnedFrame,
-    json: Option<String>,
+    json: Option<Arc<str>>,
     chain_break: Option<Box<ChainBreak>>,
     invalid: Option<Box<Invalid>>,
     /// Sent to its lane only to be verified (the collection filter drops it).
@@ -110,6 +112,13 @@ impl Event {
         self.json.as_deref()
     }
 
+    /// [`Event::json`], shared: a sink that must own the body it sends (a publish) takes
+    /// a reference to the rendering instead of a copy.
+    #[must_use]
+    pub fn json_shared(&self) -> Option<&Arc<str>> {
+        self.json.as_ref()
+    }
+
     /// Appends the event in the atproto JSON data model, all ops, records included (the
     /// `#invalid` event instead when it failed verification).
     pub fn render_json(&self, out: &mut String) -> Written {
@@ -139,7 +148,7 @@ impl Event {
         self.chain_break = Some(Box::new(b));
     }
 
-    pub(crate) fn set_json(&mut self, json: String) {
+    pub(crate) fn set_json(&mut self, json: Arc<str>) {
         self.json = Some(json);
     }
 }

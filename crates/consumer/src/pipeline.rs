@@ -386,7 +386,7 @@ fn render_batch(batch: &mut [Event], r: &Render, scratch: &mut String) {
         if let Some(i) = e.invalid() {
             let mut json = String::with_capacity(256);
             i.write_json(e.seq(), &mut json);
-            e.set_json(json);
+            e.set_json(json.into());
             continue;
         }
         scratch.clear();
@@ -399,7 +399,7 @@ fn render_batch(batch: &mut [Event], r: &Render, scratch: &mut String) {
                 "records that could not be decoded were written as null"
             );
         }
-        e.set_json(scratch.as_str().to_owned());
+        e.set_json(Arc::from(scratch.as_str()));
         if scratch.capacity() > KEEP {
             *scratch = String::new();
         }

@@ -27,9 +27,12 @@
 //! `Firekeeper-Relay` (`primary`/`secondary`) and `Firekeeper-Token` (the term's fencing
 //! token) say where it came from.
 
+use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use consumer::{BatchCtx, Event, Handler, HandlerError};
 use nats_op::async_nats::jetstream::context::PublishAckFuture;
 use nats_op::async_nats::jetstream::{self, stream};
@@ -172,10 +175,26 @@ async fn settle(nats: &Nats, config: &stream::Config, f: Failure) -> HandlerErro
     }
 }
 
-/// The `Nats-Msg-Id` of an event: `<fingerprint>:<seq>:<event key>`.
+/// The `Nats-Msg-Id` of an event: `<fingerprint>:<seq>:<event key>` (the key as 16 hex
+/// digits). The form must never change: a new leader's replay is dropped as a duplicate
+/// only if it names each event exactly as the old leader did.
 #[must_use]
 pub fn message_id(fingerprint: &str, e: &Event) -> String {
-    format!("{fingerprint}:{}:{:016x}", e.seq(), event_key(e))
+    let mut id = String::with_capacity(fingerprint.len() + 40);
+    id.push_str(fingerprint);
+    let _ = write!(id, ":{}:", e.seq());
+    let key = event_key(e);
+    id.extend((0..16).rev().map(|i| char::from(b"0123456789abcdef"[((key >> (4 * i)) & 15) as usize])));
+    id
+}
+
+/// A rendering shared with the event, as a publish's body without a copy.
+struct SharedJson(Arc<str>);
+
+impl AsRef<[u8]> for SharedJson {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
 }
 
 impl JetStream {
@@ -267,16 +286,16 @@ impl JetStream {
                     .map_err(|err| publish_failure("publish", &err))?;
                 acks.push(ack);
             }
-            let body = if let Some(j) = e.json() {
-                j.to_owned()
+            let body = if let Some(j) = e.json_shared() {
+                Bytes::from_owner(SharedJson(Arc::clone(j)))
             } else {
                 let mut s = String::new();
                 e.render_json(&mut s);
-                s
+                Bytes::from(s)
             };
             let id = message_id(&ctx.fingerprint, e);
             let ack = js
-                .publish_with_headers(self.subject(e), Self::headers(&id, e, ctx), body.into())
+                .publish_with_headers(self.subject(e), Self::headers(&id, e, ctx), body)
                 .await
                 .map_err(|err| publish_failure("publish", &err))?;
             acks.push(ack);
@@ -348,6 +367,19 @@ impl Handler for JetStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn message_ids_keep_the_form_earlier_versions_wrote() {
+        let frames = relay_sim::capture::read(&testkit::fixture("pds-capture.frames")).expect("fixture");
+        let mut seen = 0;
+        for f in &frames {
+            let Some(e) = Event::from_bytes(f, relay_client::RelayRole::Primary).expect("decodes") else { continue };
+            let earlier = format!("fp1:{}:{:016x}", e.seq(), event_key(&e));
+            assert_eq!(message_id("fp1", &e), earlier);
+            seen += 1;
+        }
+        assert!(seen > 1000, "{seen} events");
+    }
 
     #[test]
     fn only_nsid_characters_make_a_subject_token() {
