@@ -63,6 +63,24 @@ async fn a_write_that_waited_for_the_jsonl_lock_past_the_deadline_writes_nothing
     h.abandon().await;
 }
 
+/// A destination that fails (the pipe's reader is gone) fails every batch, small ones
+/// (failing in the flush) and one larger than the writer's buffer (failing in the
+/// write): none is taken as written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_jsonl_destination_fails_every_batch() {
+    let dir = testkit::tmpdir("sink-broken");
+    let (h, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let (w, r) = tokio::io::duplex(64);
+    drop(r);
+    let sink = Jsonl::to(Box::new(w));
+    let (small, large) = (events(2), events(1200));
+    for batch in [&small, &large, &small] {
+        let r = sink.handle(batch, &ctx).await;
+        assert!(matches!(r, Err(HandlerError::Failed { .. })), "{r:?}");
+    }
+    h.abandon().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_webhook_request_is_sent_after_the_deadline() {
     let dir = testkit::tmpdir("sink-hook");
