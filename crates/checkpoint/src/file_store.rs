@@ -1,10 +1,14 @@
 //! The embedded default: one small file per relay in a directory, replaced atomically
 //! (write a temp file, fsync, rename over, fsync the directory), fenced by the local
-//! lease lock file, which holds `<instance>:<token>` of the current holder.
+//! lease lock file, which holds `<instance>:<token>` of the current holder. The file
+//! work (reads, writes, fsyncs) runs on tokio's blocking pool: an fsync takes
+//! milliseconds, more on network volumes, and must not stall the task that commits
+//! (the consumer's intake, which reads the relay between commits).
 
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tokio::sync::Mutex;
 
@@ -13,10 +17,16 @@ use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
 /// Cursors in files.
 #[derive(Debug)]
 pub struct FileStore {
-    dir: PathBuf,
-    lease_file: PathBuf,
+    files: Arc<Files>,
     /// Serialises commits of this process (a read-compare-replace must not interleave).
     lock: Mutex<()>,
+}
+
+/// The directory and the lease file, and the blocking file work on them.
+#[derive(Debug)]
+struct Files {
+    dir: PathBuf,
+    lease_file: PathBuf,
 }
 
 fn io(what: &str, path: &Path, e: &std::io::Error) -> StoreError {
@@ -27,9 +37,83 @@ impl FileStore {
     /// Cursors under `dir`, fenced by the lease lock file `lease_file`.
     pub fn new(dir: &Path, lease_file: &Path) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, &e))?;
-        Ok(Self { dir: dir.to_owned(), lease_file: lease_file.to_owned(), lock: Mutex::new(()) })
+        let files = Files { dir: dir.to_owned(), lease_file: lease_file.to_owned() };
+        Ok(Self { files: Arc::new(files), lock: Mutex::new(()) })
     }
 
+    /// Runs `op` on the blocking pool.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Files) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let files = Arc::clone(&self.files);
+        tokio::task::spawn_blocking(move || op(&files))
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("file store task: {e}")))?
+    }
+
+    /// Commits `cursor` with the relay time at it, and records the active relay.
+    pub async fn commit_at(
+        &self,
+        fingerprint: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        holder: &str,
+    ) -> Result<CommitOutcome, StoreError> {
+        let _g = self.lock.lock().await;
+        let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
+        self.blocking(move |f| {
+            let out = f.commit_locked(&fingerprint, cursor, &holder)?;
+            if out == CommitOutcome::Saved {
+                match time_ms {
+                    Some(t) => f.write_file(&format!("time-{fingerprint}"), &t.to_string())?,
+                    None => f.forget_time(&fingerprint)?,
+                }
+                f.write_file("active-relay", &fingerprint)?;
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
+    /// of the lease file).
+    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        let _g = self.lock.lock().await;
+        let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
+        self.blocking(move |f| f.commit_locked(&fingerprint, cursor, &holder)).await
+    }
+
+    /// A fenced rewind: sets the cursor even if lower, as lease holder `holder`.
+    pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
+        cursor::check(cursor)?;
+        let _g = self.lock.lock().await;
+        let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
+        self.blocking(move |f| {
+            if let Some(out) = f.fenced(&holder)? {
+                return Ok(out);
+            }
+            f.replace(&fingerprint, cursor)?;
+            f.forget_time(&fingerprint)?;
+            Ok(CommitOutcome::Saved)
+        })
+        .await
+    }
+
+    /// Operator override (`firekeeper cursor set`).
+    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+        cursor::check(cursor)?;
+        let _g = self.lock.lock().await;
+        let fingerprint = fingerprint.to_owned();
+        self.blocking(move |f| {
+            f.replace(&fingerprint, cursor)?;
+            f.forget_time(&fingerprint)
+        })
+        .await
+    }
+}
+
+impl Files {
     fn path(&self, fingerprint: &str) -> PathBuf {
         self.dir.join(format!("cursor-{fingerprint}"))
     }
@@ -90,26 +174,6 @@ impl FileStore {
         }
     }
 
-    /// Commits `cursor` with the relay time at it, and records the active relay.
-    pub async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        holder: &str,
-    ) -> Result<CommitOutcome, StoreError> {
-        let _g = self.lock.lock().await;
-        let out = self.commit_locked(fingerprint, cursor, holder)?;
-        if out == CommitOutcome::Saved {
-            match time_ms {
-                Some(t) => self.write_file(&format!("time-{fingerprint}"), &t.to_string())?,
-                None => self.forget_time(fingerprint)?,
-            }
-            self.write_file("active-relay", fingerprint)?;
-        }
-        Ok(out)
-    }
-
     fn commit_locked(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
         if let Some(out) = self.fenced(holder)? {
@@ -124,25 +188,6 @@ impl FileStore {
         Ok(CommitOutcome::Saved)
     }
 
-    /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
-    /// of the lease file).
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        let _g = self.lock.lock().await;
-        self.commit_locked(fingerprint, cursor, holder)
-    }
-
-    /// A fenced rewind: sets the cursor even if lower, as lease holder `holder`.
-    pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        cursor::check(cursor)?;
-        let _g = self.lock.lock().await;
-        if let Some(out) = self.fenced(holder)? {
-            return Ok(out);
-        }
-        self.replace(fingerprint, cursor)?;
-        self.forget_time(fingerprint)?;
-        Ok(CommitOutcome::Saved)
-    }
-
     /// A cursor written without its time must not keep an older cursor's time.
     fn forget_time(&self, fingerprint: &str) -> Result<(), StoreError> {
         let p = self.dir.join(format!("time-{fingerprint}"));
@@ -151,14 +196,6 @@ impl FileStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io("removing", &p, &e)),
         }
-    }
-
-    /// Operator override (`firekeeper cursor set`).
-    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
-        cursor::check(cursor)?;
-        let _g = self.lock.lock().await;
-        self.replace(fingerprint, cursor)?;
-        self.forget_time(fingerprint)
     }
 }
 
@@ -169,7 +206,8 @@ impl crate::CursorStore for FileStore {
     }
 
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
-        self.read_sync(fingerprint)
+        let fingerprint = fingerprint.to_owned();
+        self.blocking(move |f| f.read_sync(&fingerprint)).await
     }
 
     async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
@@ -180,11 +218,12 @@ impl crate::CursorStore for FileStore {
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
-        Ok(self.read_file(&format!("time-{fingerprint}"))?.and_then(|t| t.parse().ok()))
+        let name = format!("time-{fingerprint}");
+        Ok(self.blocking(move |f| f.read_file(&name)).await?.and_then(|t| t.parse().ok()))
     }
 
     async fn active_relay(&self) -> Result<Option<String>, StoreError> {
-        self.read_file("active-relay")
+        self.blocking(|f| f.read_file("active-relay")).await
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {

@@ -12,6 +12,36 @@ use testkit::tmpdir;
 
 mod seam;
 
+/// The file work runs off the runtime's threads: a commit whose file I/O blocks (here the
+/// lease file is a FIFO no one has opened for writing yet; in life an fsync on a slow
+/// volume) leaves the runtime free for the rest of the consumer. One runtime thread, so a
+/// blocked thread would stop everything.
+#[tokio::test(flavor = "current_thread")]
+async fn a_commit_blocked_in_file_io_does_not_stall_the_runtime() {
+    let dir = tmpdir("file-fifo");
+    let lease_file = dir.join("lease.lock");
+    let made = std::process::Command::new("mkfifo").arg(&lease_file).status().expect("mkfifo");
+    assert!(made.success());
+    let s = Arc::new(FileStore::new(&dir.join("cursors"), &lease_file).expect("store"));
+    // The writer end opens when the test says so, or after a while in any case (so a
+    // store that blocks the runtime fails the test instead of hanging it).
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let fifo = lease_file.clone();
+    let writer = std::thread::spawn(move || {
+        let _ = wait.recv_timeout(Duration::from_secs(5));
+        std::fs::write(fifo, "a:1").expect("write the FIFO");
+    });
+    let store = s.clone();
+    let commit = tokio::spawn(async move { store.commit(FP, 5, "a:1").await });
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!commit.is_finished(), "other tasks ran while the commit waited in its file I/O");
+    go.send(()).expect("writer thread");
+    assert_eq!(commit.await.expect("join"), Ok(CommitOutcome::Saved));
+    writer.join().expect("writer");
+}
+
 #[tokio::test]
 async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     let dir = tmpdir("file");
