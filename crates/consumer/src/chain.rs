@@ -11,6 +11,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
+use relay_client::json::write_str;
+
 /// What to do with a broken chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ChainBreaks {
@@ -43,31 +45,15 @@ impl ChainBreak {
     pub fn write_json(&self, seq: u64, out: &mut String) {
         use std::fmt::Write as _;
         let _ = write!(out, "{{\"seq\":{seq},\"type\":\"#chain-break\",\"repo\":");
-        json_str(&self.repo, out);
+        write_str(&self.repo, out);
         out.push_str(",\"lastRev\":");
-        json_str(&self.last_rev, out);
+        write_str(&self.last_rev, out);
         out.push_str(",\"since\":");
-        json_str(&self.since, out);
+        write_str(&self.since, out);
         out.push_str(",\"rev\":");
-        json_str(&self.rev, out);
+        write_str(&self.rev, out);
         out.push('}');
     }
-}
-
-fn json_str(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                use std::fmt::Write as _;
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 /// The base32-sortable alphabet of TIDs.
