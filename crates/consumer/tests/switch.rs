@@ -225,6 +225,17 @@ async fn on(status: &consumer::StatusHandle, role: RelayRole, what: &str) {
     .await;
 }
 
+/// The first relay `status` leads on: leading comes first, the relay once the term has
+/// read where to resume.
+async fn relay_once_leading(status: &consumer::StatusHandle) -> RelayRole {
+    eventually("leading on a relay", WAIT, async || {
+        let s = status.snapshot();
+        s.role == consumer::Role::Leader && s.relay.is_some()
+    })
+    .await;
+    status.snapshot().relay.expect("a relay")
+}
+
 async fn delivered_at_least(oracle: &Oracle, n: usize) {
     eventually(&format!("{n} events delivered"), WAIT, async || oracle.counts().len() >= n).await;
 }
@@ -336,8 +347,7 @@ async fn a_standby_taking_over_resumes_on_the_secondary_the_leader_was_on() {
     primary.handle().set_down(false);
     let _ = a_stop.send(());
     a_run.await.expect("join").expect("a stops cleanly");
-    eventually("b leads", WAIT, async || b_status.snapshot().role == consumer::Role::Leader).await;
-    assert_eq!(b_status.snapshot().relay, Some(RelayRole::Secondary), "b resumed on the secondary");
+    assert_eq!(relay_once_leading(&b_status).await, RelayRole::Secondary, "b resumed on the secondary");
     on(&b_status, RelayRole::Primary, "b fails back to the primary").await;
     eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -371,8 +381,7 @@ async fn a_leader_crashing_on_the_secondary_loses_nothing_and_repeats_only_its_u
         panic!("a committed on the secondary")
     };
     primary.handle().set_down(false);
-    eventually("b leads", WAIT, async || b_status.snapshot().role == consumer::Role::Leader).await;
-    assert_eq!(b_status.snapshot().relay, Some(RelayRole::Secondary), "b resumed on the secondary");
+    assert_eq!(relay_once_leading(&b_status).await, RelayRole::Secondary, "b resumed on the secondary");
     eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _ = b_stop.send(());
@@ -611,8 +620,7 @@ async fn a_leader_crashing_during_a_short_window_switch_loses_nothing() {
     delivered_at_least(&oracle, n + 30).await;
     a_run.abort();
     let _ = a_run.await;
-    eventually("b leads", WAIT, async || b_status.snapshot().role == consumer::Role::Leader).await;
-    assert_eq!(b_status.snapshot().relay, Some(RelayRole::Secondary), "b resumed on the secondary");
+    assert_eq!(relay_once_leading(&b_status).await, RelayRole::Secondary, "b resumed on the secondary");
     eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _ = b_stop.send(());
