@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tokio::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
 
@@ -18,8 +18,6 @@ use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
 #[derive(Debug)]
 pub struct FileStore {
     files: Arc<Files>,
-    /// Serialises commits of this process (a read-compare-replace must not interleave).
-    lock: Mutex<()>,
 }
 
 /// The directory and the lease file, and the blocking file work on them.
@@ -27,6 +25,11 @@ pub struct FileStore {
 struct Files {
     dir: PathBuf,
     lease_file: PathBuf,
+    /// Serialises the file work of this process (a read-compare-replace must not
+    /// interleave). Taken on the blocking pool around the whole of it: a caller that
+    /// gives up (its term ended) does not stop work already started, so the lock must
+    /// not be released with the caller's future.
+    lock: Mutex<()>,
 }
 
 fn io(what: &str, path: &Path, e: &std::io::Error) -> StoreError {
@@ -37,19 +40,22 @@ impl FileStore {
     /// Cursors under `dir`, fenced by the lease lock file `lease_file`.
     pub fn new(dir: &Path, lease_file: &Path) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, &e))?;
-        let files = Files { dir: dir.to_owned(), lease_file: lease_file.to_owned() };
-        Ok(Self { files: Arc::new(files), lock: Mutex::new(()) })
+        let files = Files { dir: dir.to_owned(), lease_file: lease_file.to_owned(), lock: Mutex::new(()) };
+        Ok(Self { files: Arc::new(files) })
     }
 
-    /// Runs `op` on the blocking pool.
+    /// Runs `op` on the blocking pool, holding the store's lock throughout.
     async fn blocking<T: Send + 'static>(
         &self,
         op: impl FnOnce(&Files) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let files = Arc::clone(&self.files);
-        tokio::task::spawn_blocking(move || op(&files))
-            .await
-            .map_err(|e| StoreError::Unavailable(format!("file store task: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let _serial = files.lock.lock().unwrap_or_else(PoisonError::into_inner);
+            op(&files)
+        })
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("file store task: {e}")))?
     }
 
     /// Commits `cursor` with the relay time at it, and records the active relay.
@@ -60,7 +66,6 @@ impl FileStore {
         time_ms: Option<i64>,
         holder: &str,
     ) -> Result<CommitOutcome, StoreError> {
-        let _g = self.lock.lock().await;
         let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
         self.blocking(move |f| {
             let out = f.commit_locked(&fingerprint, cursor, &holder)?;
@@ -79,7 +84,6 @@ impl FileStore {
     /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
     /// of the lease file).
     pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        let _g = self.lock.lock().await;
         let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
         self.blocking(move |f| f.commit_locked(&fingerprint, cursor, &holder)).await
     }
@@ -87,7 +91,6 @@ impl FileStore {
     /// A fenced rewind: sets the cursor even if lower, as lease holder `holder`.
     pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
         cursor::check(cursor)?;
-        let _g = self.lock.lock().await;
         let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
         self.blocking(move |f| {
             if let Some(out) = f.fenced(&holder)? {
@@ -103,7 +106,6 @@ impl FileStore {
     /// Operator override (`firekeeper cursor set`).
     pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;
-        let _g = self.lock.lock().await;
         let fingerprint = fingerprint.to_owned();
         self.blocking(move |f| {
             f.replace(&fingerprint, cursor)?;

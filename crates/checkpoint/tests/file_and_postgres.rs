@@ -42,6 +42,38 @@ async fn a_commit_blocked_in_file_io_does_not_stall_the_runtime() {
     writer.join().expect("writer");
 }
 
+/// A caller that gives up on a commit (its term ended) does not stop the file work it
+/// started, so the store's lock must outlive the caller: the next commit waits for that
+/// work instead of interleaving its read-compare-replace with it. Here the first commit's
+/// cursor file is a FIFO, so its read blocks until the test writes to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_caller_gave_up_still_holds_the_store_until_its_work_is_done() {
+    const FP2: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+    let dir = tmpdir("file-abandoned");
+    let lease_file = dir.join("lease.lock");
+    std::fs::write(&lease_file, "a:1").expect("lease");
+    let s = Arc::new(FileStore::new(&dir.join("cursors"), &lease_file).expect("store"));
+    let fifo = dir.join("cursors").join(format!("cursor-{FP}"));
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
+    // The FIFO's writer: when the test says so, or after a while in any case (a failing
+    // test must not leave the read blocked forever).
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let writer = std::thread::spawn(move || {
+        let _ = wait.recv_timeout(Duration::from_secs(5));
+        std::fs::write(fifo, "7").expect("write the FIFO");
+    });
+    let given_up = tokio::time::timeout(Duration::from_millis(200), s.commit(FP, 9, "a:1")).await;
+    assert!(given_up.is_err(), "the first commit is still reading its FIFO when its caller gives up");
+    let store = s.clone();
+    let second = tokio::spawn(async move { store.commit(FP2, 5, "a:1").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second commit waits for the abandoned one's file work");
+    go.send(()).expect("writer thread");
+    writer.join().expect("writer");
+    assert_eq!(second.await.expect("join"), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(9)), "the abandoned commit finished its work");
+}
+
 #[tokio::test]
 async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     let dir = tmpdir("file");
