@@ -9,6 +9,7 @@ use std::time::Duration;
 use checkpoint::Watermark;
 use checkpoint::watermark::WatermarkError;
 use relay_client::backoff::{Backoff, BackoffConfig};
+use relay_client::json::Written;
 use tokio::sync::mpsc;
 
 use crate::continuity::Times;
@@ -383,25 +384,23 @@ fn render_batch(batch: &mut [Event], r: &Render, scratch: &mut String) {
     /// A scratch buffer grown past this by one huge event is not kept.
     const KEEP: usize = 1 << 20;
     for e in batch {
-        if let Some(i) = e.invalid() {
-            let mut json = String::with_capacity(256);
-            i.write_json(e.seq(), &mut json);
-            e.set_json(json.into());
-            continue;
-        }
         scratch.clear();
-        let written = render(e.message(), r, scratch);
-        if written.record_errors > 0 {
-            metrics::counter!(m::RECORD_ERRORS).increment(written.record_errors as u64);
-            tracing::warn!(
-                seq = e.seq(),
-                errors = written.record_errors,
-                "records that could not be decoded were written as null"
-            );
+        if let Some(i) = e.invalid() {
+            i.write_json(e.seq(), scratch);
+        } else {
+            report_record_errors(e.seq(), render(e.message(), r, scratch));
         }
         e.set_json(Arc::from(scratch.as_str()));
         if scratch.capacity() > KEEP {
             *scratch = String::new();
         }
+    }
+}
+
+/// Records that could not be decoded were written as `null`: counted and logged.
+fn report_record_errors(seq: u64, written: Written) {
+    if written.record_errors > 0 {
+        metrics::counter!(m::RECORD_ERRORS).increment(written.record_errors as u64);
+        tracing::warn!(seq, errors = written.record_errors, "records that could not be decoded were written as null");
     }
 }

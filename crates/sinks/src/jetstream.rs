@@ -182,9 +182,7 @@ async fn settle(nats: &Nats, config: &stream::Config, f: Failure) -> HandlerErro
 pub fn message_id(fingerprint: &str, e: &Event) -> String {
     let mut id = String::with_capacity(fingerprint.len() + 40);
     id.push_str(fingerprint);
-    let _ = write!(id, ":{}:", e.seq());
-    let key = event_key(e);
-    id.extend((0..16).rev().map(|i| char::from(b"0123456789abcdef"[((key >> (4 * i)) & 15) as usize])));
+    let _ = write!(id, ":{}:{:016x}", e.seq(), event_key(e));
     id
 }
 

@@ -229,13 +229,21 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     lease.abandon().await;
 }
 
-async fn js_sink(url: &str, partitions: u32) -> (nats_op::Nats, JetStream) {
-    js_sink_with(url, JetStreamConfig { partitions, ..JetStreamConfig::default() }).await
+/// A JetStream sink on a NATS server of its own, and a term to write in.
+struct Js {
+    server: testkit::NatsServer,
+    lease: lease::LeaseHandle,
+    ctx: BatchCtx,
+    nats: nats_op::Nats,
+    sink: JetStream,
 }
 
-async fn js_sink_with(url: &str, cfg: JetStreamConfig) -> (nats_op::Nats, JetStream) {
+async fn js(name: &str, clock: Arc<OffsetClock>, cfg: JetStreamConfig) -> Js {
+    let server = testkit::NatsServer::start();
+    let dir = testkit::tmpdir(name);
+    let (lease, ctx) = term_with(clock, &dir).await;
     let nats = nats_op::Nats::connect(&nats_op::NatsConfig {
-        url: url.to_owned(),
+        url: server.url(),
         creds_file: None,
         token: None,
         op_timeout: Duration::from_secs(2),
@@ -243,7 +251,7 @@ async fn js_sink_with(url: &str, cfg: JetStreamConfig) -> (nats_op::Nats, JetStr
     .await
     .expect("connect");
     let sink = JetStream::open(&nats, cfg).await.expect("open");
-    (nats, sink)
+    Js { server, lease, ctx, nats, sink }
 }
 
 /// Every message of the stream: (subject, Nats-Msg-Id, body).
@@ -263,10 +271,8 @@ async fn stream_messages(nats: &nats_op::Nats) -> Vec<(String, String, String)> 
 /// leader replaying after the last commit) adds nothing: the server drops it by id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_publishes_each_event_once_and_a_replay_is_deduplicated() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let (nats, sink) = js_sink(&server.url(), 0).await;
+    let Js { server: _server, lease, ctx, nats, sink } =
+        js("sink-js", Arc::default(), JetStreamConfig::default()).await;
     let mut evs = events(40);
     let last = evs.pop().expect("40").with_chain_break(a_break());
     evs.push(last);
@@ -298,10 +304,8 @@ async fn jetstream_publishes_each_event_once_and_a_replay_is_deduplicated() {
 /// dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_stores_new_events_that_reuse_old_seqs_after_a_renumbering() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-renumber");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let (nats, sink) = js_sink(&server.url(), 0).await;
+    let Js { server: _server, lease, ctx, nats, sink } =
+        js("sink-js-renumber", Arc::default(), JetStreamConfig::default()).await;
     let first = events(40);
     sink.handle(&first, &ctx).await.expect("published");
     // The next 40 events of the capture, numbered again from the first batch's seqs.
@@ -333,10 +337,8 @@ async fn jetstream_stores_new_events_that_reuse_old_seqs_after_a_renumbering() {
 /// retried batch lands. Before, every publish failed until a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_creates_a_deleted_stream_again_and_the_retried_batch_lands() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-deleted");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let (nats, sink) = js_sink(&server.url(), 0).await;
+    let Js { server: _server, lease, ctx, nats, sink } =
+        js("sink-js-deleted", Arc::default(), JetStreamConfig::default()).await;
     let evs = events(30);
     sink.handle(&evs[..10], &ctx).await.expect("published");
     nats.jetstream().delete_stream("FIREKEEPER").await.expect("deleted under the sink");
@@ -354,11 +356,12 @@ async fn jetstream_creates_a_deleted_stream_again_and_the_retried_batch_lands() 
 /// again (duplicates, said in the README), never lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_with_a_duplicate_window_shorter_than_the_outage_duplicates_but_loses_nothing() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-window");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let cfg = JetStreamConfig { duplicate_window: Duration::from_millis(300), ..JetStreamConfig::default() };
-    let (nats, sink) = js_sink_with(&server.url(), cfg).await;
+    let Js { server: _server, lease, ctx, nats, sink } = js(
+        "sink-js-window",
+        Arc::default(),
+        JetStreamConfig { duplicate_window: Duration::from_millis(300), ..JetStreamConfig::default() },
+    )
+    .await;
     let evs = events(20);
     sink.handle(&evs, &ctx).await.expect("published");
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -373,10 +376,8 @@ async fn jetstream_with_a_duplicate_window_shorter_than_the_outage_duplicates_bu
 /// With partitions, every repo's events share one partition subject.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_partitions_keep_each_repo_in_one_subject() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-p");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let (nats, sink) = js_sink(&server.url(), 4).await;
+    let Js { server: _server, lease, ctx, nats, sink } =
+        js("sink-js-p", Arc::default(), JetStreamConfig { partitions: 4, ..JetStreamConfig::default() }).await;
     let evs = events(200);
     sink.handle(&evs, &ctx).await.expect("published");
     let got = stream_messages(&nats).await;
@@ -394,11 +395,9 @@ async fn jetstream_partitions_keep_each_repo_in_one_subject() {
 /// Past the term's deadline nothing is published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_publishes_nothing_after_the_deadline() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-d");
     let clock = Arc::new(OffsetClock::default());
-    let (lease, ctx) = term_with(clock.clone(), &dir).await;
-    let (nats, sink) = js_sink(&server.url(), 0).await;
+    let Js { server: _server, lease, ctx, nats, sink } =
+        js("sink-js-d", clock.clone(), JetStreamConfig::default()).await;
     clock.advance(Duration::from_hours(1));
     assert!(matches!(sink.handle(&events(5), &ctx).await, Err(HandlerError::Cancelled)));
     assert!(stream_messages(&nats).await.is_empty());
@@ -427,11 +426,12 @@ async fn a_failed_webhook_write_keeps_the_transport_error_as_its_source() {
 /// hold the cursor), and publishing it again with the same ids stores each event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unacknowledged_batch_fails_and_its_republication_stores_each_event_once() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-ahead");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let cfg = JetStreamConfig { publish_timeout: Duration::from_millis(500), ..JetStreamConfig::default() };
-    let (nats, sink) = js_sink_with(&server.url(), cfg).await;
+    let Js { server, lease, ctx, nats, sink } = js(
+        "sink-js-ahead",
+        Arc::default(),
+        JetStreamConfig { publish_timeout: Duration::from_millis(500), ..JetStreamConfig::default() },
+    )
+    .await;
     assert_eq!(sink.write_ahead(), 1024, "publishes kept in flight across batches by default");
     let evs = events(40);
     server.pause();
@@ -459,11 +459,12 @@ async fn an_unacknowledged_batch_fails_and_its_republication_stores_each_event_o
 /// the next publish wait for a permit that only those unread acknowledgements free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_unread_acknowledgements_than_the_clients_default_bound_do_not_stall_publishing() {
-    let server = testkit::NatsServer::start();
-    let dir = testkit::tmpdir("sink-js-permits");
-    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
-    let cfg = JetStreamConfig { publish_timeout: Duration::from_secs(3), ..JetStreamConfig::default() };
-    let (nats, sink) = js_sink_with(&server.url(), cfg).await;
+    let Js { server: _server, lease, ctx, nats, sink } = js(
+        "sink-js-permits",
+        Arc::default(),
+        JetStreamConfig { publish_timeout: Duration::from_secs(3), ..JetStreamConfig::default() },
+    )
+    .await;
     let evs = events(1000);
     assert_eq!(evs.len(), 1000);
     let mut pending = Vec::new();
