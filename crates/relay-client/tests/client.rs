@@ -407,3 +407,26 @@ async fn fails_over_to_secondary_and_back_each_with_its_own_cursor() {
     assert_eq!(seqs(&items), (1401..=1476).collect::<Vec<_>>());
     assert!(p.cursors().contains(&Some(1400)));
 }
+
+/// The socket is read by a task of its own: a subscription restarted or dropped while
+/// that reader waits on a quiet socket must close the connection, not leave the reader
+/// holding it open.
+#[tokio::test]
+async fn a_restarted_or_dropped_subscription_closes_its_connection() {
+    let sim = sim_with(SimConfig::default()).await;
+    let h = sim.handle();
+    let mut s = sub(&sim, cfg());
+    s.start(RelayRole::Primary, Some(0));
+    collect(&mut s, last_seq_is(1476)).await;
+    assert_eq!(h.open_connections(), 1);
+    // Everything was sent: the reader now waits on a socket with nothing to read.
+    s.start(RelayRole::Primary, Some(1476));
+    testkit::eventually("the restarted subscription's connection closed", DEADLINE, async || h.open_connections() == 0)
+        .await;
+    let items = collect(&mut s, |items| has_notice(items, |n| matches!(n, Notice::Connected { .. }))).await;
+    assert!(seqs(&items).is_empty(), "nothing after the last seq: {items:?}");
+    assert_eq!(h.open_connections(), 1);
+    drop(s);
+    testkit::eventually("the dropped subscription's connection closed", DEADLINE, async || h.open_connections() == 0)
+        .await;
+}

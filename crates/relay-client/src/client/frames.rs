@@ -5,6 +5,7 @@ use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{self, Message as WsMessage};
 use yoke::Yoke;
 
+use super::reader::Read;
 use super::{Link, Subscription, describe};
 use crate::config::{BadFramePolicy, FutureCursorPolicy};
 use crate::error::{ConnError, DecodeError, SubscribeError};
@@ -13,31 +14,35 @@ use crate::item::{Item, Notice, OwnedFrame};
 
 impl Subscription {
     /// One WebSocket message: the connection's end, a pong, or a binary frame to decode.
-    pub(super) fn on_message(
-        &mut self,
-        msg: Option<Result<WsMessage, tungstenite::Error>>,
-    ) -> Result<Option<Item>, SubscribeError> {
-        let bytes = match msg {
-            Some(Ok(WsMessage::Binary(b))) => b,
-            Some(Err(tungstenite::Error::Capacity(_))) => return self.oversized(),
-            Some(Ok(WsMessage::Text(t))) => return self.bad_frame(None, DecodeError::TextMessage { len: t.len() }),
+    pub(super) fn on_message(&mut self, msg: Read) -> Result<Option<Item>, SubscribeError> {
+        let msg = match msg {
+            Read::Binary(bytes) => return self.on_binary(bytes),
+            Read::Other(msg) => msg,
+        };
+        match msg {
+            Some(Ok(WsMessage::Binary(b))) => self.on_binary(Vec::from(b)),
+            Some(Err(tungstenite::Error::Capacity(_))) => self.oversized(),
+            Some(Ok(WsMessage::Text(t))) => self.bad_frame(None, DecodeError::TextMessage { len: t.len() }),
             Some(Ok(WsMessage::Pong(_))) => {
                 if let Link::Up(c) = &mut self.link {
                     c.pong_due = None;
                 }
-                return Ok(None);
+                Ok(None)
             }
             None | Some(Ok(WsMessage::Close(_))) => {
                 self.fail(ConnError::ClosedByRelay);
-                return Ok(None);
+                Ok(None)
             }
             Some(Err(e)) => {
                 self.fail(ConnError::Io(describe(&e)));
-                return Ok(None);
+                Ok(None)
             }
-            Some(Ok(WsMessage::Ping(_) | WsMessage::Frame(_))) => return Ok(None),
-        };
-        self.saw_data();
+            Some(Ok(WsMessage::Ping(_) | WsMessage::Frame(_))) => Ok(None),
+        }
+    }
+
+    /// A binary message: a frame to decode and place.
+    fn on_binary(&mut self, bytes: Vec<u8>) -> Result<Option<Item>, SubscribeError> {
         let max = self.cfg.max_frame_bytes;
         if bytes.len() > max {
             // Only reachable while reading with the raised limit.
@@ -45,7 +50,7 @@ impl Subscription {
             return self.bad_frame(peek_seq(&bytes), DecodeError::TooLarge { size: bytes.len(), max });
         }
         // Decoded once: the event keeps this decoding beside its bytes.
-        match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(Vec::from(bytes), |b| {
+        match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(bytes, |b| {
             frame::decode(b).map_err(|e| (e, peek_seq(b)))
         }) {
             Ok(decoded) => self.on_frame(decoded),
@@ -55,7 +60,7 @@ impl Subscription {
 
     /// A data frame proves the connection alive; one that has lasted `healthy_after`
     /// resets the backoff and the failure count.
-    fn saw_data(&mut self) {
+    pub(super) fn saw_data(&mut self) {
         let Link::Up(c) = &mut self.link else { return };
         let now = Instant::now();
         c.last_data = now;

@@ -2,27 +2,32 @@
 //! connect timeout, ping/pong, stall detection, backoff with jitter, seq ordering and
 //! failover.
 //!
-//! It is pull-driven: nothing is read from the socket until the caller asks for the next
-//! item, so a slow consumer pushes back on the relay instead of filling memory.
+//! It is pull-driven: a task per connection reads the socket at most a few batches ahead
+//! of the caller (see `reader`), so a slow consumer pushes back on the relay instead of
+//! filling memory, while the socket read runs beside the caller's decoding.
 //! A relay switch is never done behind the caller's back: [`Item::SwitchRelay`] asks the
 //! caller to commit the current relay's cursor and then call [`Subscription::start`] with
 //! the new relay's own cursor.
 
 mod failback;
 mod frames;
+mod reader;
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::SinkExt;
+use futures_util::stream::{SplitSink, StreamExt};
 use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_tungstenite::tungstenite::{self, Message as WsMessage, protocol::WebSocketConfig};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use self::failback::Failback;
+use self::reader::Read;
 use crate::backoff::Backoff;
 pub use crate::config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, OVERSIZE_PROBE_BYTES, RelayRole};
 use crate::error::{ConnError, SubscribeError};
@@ -33,13 +38,45 @@ type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// One open connection and its liveness bookkeeping.
 struct Conn {
-    ws: Ws,
+    /// Where pings and the close go; the reader task owns the other half.
+    sink: SplitSink<Ws, WsMessage>,
+    /// Batches from the reader task.
+    rx: mpsc::Receiver<Vec<Read>>,
+    /// The rest of the last batch received.
+    ready: std::vec::IntoIter<Read>,
+    reader: tokio::task::JoinHandle<()>,
     since: Instant,
     last_data: Instant,
     next_ping: Instant,
     pong_due: Option<Instant>,
     healthy: bool,
     warned_backwards: bool,
+}
+
+impl Conn {
+    fn new(ws: Ws, now: Instant, ping_interval: Duration) -> Self {
+        let (sink, stream) = ws.split();
+        let (tx, rx) = mpsc::channel(reader::QUEUED);
+        Self {
+            sink,
+            rx,
+            ready: Vec::new().into_iter(),
+            reader: tokio::spawn(reader::run(stream, tx)),
+            since: now,
+            last_data: now,
+            next_ping: now + ping_interval,
+            pong_due: None,
+            healthy: false,
+            warned_backwards: false,
+        }
+    }
+}
+
+impl Drop for Conn {
+    /// A connection given up stops its reader (which may be waiting on the socket).
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
 }
 
 /// The link to the active relay.
@@ -175,7 +212,7 @@ impl Subscription {
     /// Closes the connection politely.
     pub async fn close(&mut self) {
         if let Link::Up(mut c) = std::mem::replace(&mut self.link, Link::Down { retry_at: None }) {
-            let _ = timeout(Duration::from_secs(1), c.ws.close(None)).await;
+            let _ = timeout(Duration::from_secs(1), c.sink.close()).await;
         }
         self.failback.abort();
     }
@@ -218,16 +255,7 @@ impl Subscription {
         .await;
         match attempt {
             Ok(Ok((ws, _resp))) => {
-                let now = Instant::now();
-                self.link = Link::Up(Box::new(Conn {
-                    ws,
-                    since: now,
-                    last_data: now,
-                    next_ping: now + self.cfg.ping_interval,
-                    pong_due: None,
-                    healthy: false,
-                    warned_backwards: false,
-                }));
+                self.link = Link::Up(Box::new(Conn::new(ws, Instant::now(), self.cfg.ping_interval)));
                 tracing::info!(relay = relay.as_str(), cursor = ?self.cursor, "connected to relay");
                 self.queue.push_back(Item::Notice(Notice::Connected { relay, cursor: self.cursor }));
             }
@@ -280,17 +308,19 @@ impl Subscription {
         let Link::Up(conn) = &mut self.link else {
             return Ok(None);
         };
+        // Fast path: the rest of a batch needs no timers (arming four sleeps per frame
+        // costs more than decoding it); pings and probes are looked at between batches.
+        if let Some(r) = conn.ready.next() {
+            return self.on_message(r);
+        }
         let probe_at = self.failback.due();
-        // Fast path: a message the socket already holds needs no timers (arming four
-        // sleeps per frame costs more than decoding it). Only taken while no ping and no
-        // probe is due; data frames themselves prove liveness.
         if self.failback.probe.is_none() {
             let now = Instant::now();
             if now < conn.next_ping
                 && probe_at.is_none_or(|p| now < p)
-                && let Some(msg) = futures_util::FutureExt::now_or_never(conn.ws.next())
+                && let Ok(batch) = conn.rx.try_recv()
             {
-                return self.on_message(msg);
+                return self.on_batch(batch);
             }
         }
         let stall_at = conn.last_data.max(wait_started) + cfg.stall_timeout;
@@ -299,7 +329,14 @@ impl Subscription {
         let far = Instant::now() + Duration::from_hours(24);
         tokio::select! {
             biased;
-            msg = conn.ws.next() => self.on_message(msg),
+            batch = conn.rx.recv() => if let Some(batch) = batch {
+                self.on_batch(batch)
+            } else {
+                // The reader ends only after handing over the end or an error: gone
+                // without, it panicked.
+                self.fail(ConnError::Io("socket reader ended".to_owned()));
+                Ok(None)
+            },
             () = sleep_until(stall_at) => {
                 self.fail(ConnError::Stalled(self.cfg.stall_timeout));
                 Ok(None)
@@ -309,7 +346,7 @@ impl Subscription {
                 Ok(None)
             }
             () = sleep_until(next_ping) => {
-                let sent = timeout(self.cfg.pong_timeout, conn.ws.send(WsMessage::Ping(Bytes::new()))).await;
+                let sent = timeout(self.cfg.pong_timeout, conn.sink.send(WsMessage::Ping(Bytes::new()))).await;
                 match sent {
                     Ok(Ok(())) => {
                         let now = Instant::now();
@@ -330,6 +367,22 @@ impl Subscription {
                 self.on_probe(ok.unwrap_or(false));
                 Ok(None)
             }
+        }
+    }
+
+    /// A batch from the reader: one with data proves the connection alive; its first
+    /// message now, the rest on the next calls.
+    fn on_batch(&mut self, batch: Vec<Read>) -> Result<Option<Item>, SubscribeError> {
+        let Link::Up(conn) = &mut self.link else { return Ok(None) };
+        let data = batch.iter().any(|r| matches!(r, Read::Binary(_)));
+        conn.ready = batch.into_iter();
+        if data {
+            self.saw_data();
+        }
+        let Link::Up(conn) = &mut self.link else { return Ok(None) };
+        match conn.ready.next() {
+            Some(r) => self.on_message(r),
+            None => Ok(None),
         }
     }
 }
