@@ -1,10 +1,10 @@
 //! Commits: the fenced watermark commit (tick, settle, final), the fenced rewind that
 //! places a stream, and the lag figures refreshed at each tick.
 
-use checkpoint::{CommitOutcome, Fence, Write};
+use checkpoint::{CommitOutcome, Fence, StoreError, Write};
 use tracing::Instrument;
 
-use super::{Ctx, Leader, Rewind, Step, TermEnd, while_active};
+use super::{Ctx, Leader, Rewind, Step, TermEnd, guarded, while_active};
 use crate::error::Fatal;
 use crate::metrics as m;
 use crate::pipeline::Pipeline;
@@ -29,16 +29,48 @@ fn age_seconds(t: &str) -> Option<f64> {
     Some((time::OffsetDateTime::now_utc() - t).as_seconds_f64())
 }
 
-/// Commits the watermark if it moved.
-pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, final_: bool) -> Commit {
+/// A cursor write under way: the tick starts it and the intake reads on meanwhile (a
+/// store round trip or an fsync must not stall the socket); it lands in the work loop,
+/// or is awaited before anything else writes the cursor.
+pub(super) struct Flight<'s> {
+    cursor: u64,
+    write: futures_util::future::BoxFuture<'s, Result<CommitOutcome, StoreError>>,
+}
+
+impl Flight<'_> {
+    /// Waits for the write and takes in how it ended.
+    pub(super) async fn land(self, cx: &Ctx<'_>, p: &mut Pipeline) -> Commit {
+        let out = self.write.await;
+        finish(cx, p, self.cursor, out)
+    }
+}
+
+/// The write in flight, once it finishes; never resolves when there is none.
+pub(super) async fn landed(f: &mut Option<Flight<'_>>) -> Result<CommitOutcome, StoreError> {
+    match f {
+        Some(f) => f.write.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What starting a commit led to.
+enum Begun<'s> {
+    /// Decided without the store.
+    Done(Commit),
+    /// The store must take it.
+    Write(Flight<'s>),
+}
+
+/// Starts committing the watermark if it moved.
+fn begin<'s>(cx: &Ctx<'s>, term: &lease::Term, p: &mut Pipeline, final_: bool) -> Begun<'s> {
     // Act only while the term is active, whatever the store would answer: a process that
     // was frozen past its deadline must not commit before its supervisor notices.
     if !term.is_active() {
-        return Commit::Fenced;
+        return Begun::Done(Commit::Fenced);
     }
-    let Some(c) = p.watermark.committable() else { return Commit::Idle };
+    let Some(c) = p.watermark.committable() else { return Begun::Done(Commit::Idle) };
     if p.committed.is_some_and(|done| done >= c) {
-        return Commit::Idle;
+        return Begun::Done(Commit::Idle);
     }
     if cx.handler.commits_cursor() {
         // The handler committed it in the same transaction as its writes (with the time
@@ -46,14 +78,24 @@ pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, f
         p.times.take_until(c);
         p.committed = Some(c);
         cx.status.update(|s| s.committed = Some(c));
-        return Commit::Committed(c);
+        return Begun::Done(Commit::Committed(c));
     }
     let relay = p.ctx.relay.as_str();
     let span = tracing::info_span!("commit", cursor = c, token = p.ctx.token, relay, final_);
-    let holder = term.holder();
-    let fence = Fence { holder: &holder, token: term.token() };
+    let (holder, token) = (term.holder(), term.token());
+    let fingerprint = p.ctx.fingerprint.clone();
     let time = p.times.take_until(c);
-    let out = cx.store.write(Write::advance(&p.ctx.fingerprint, c, time), fence).instrument(span).await;
+    let store = cx.store;
+    let write = async move {
+        let fence = Fence { holder: &holder, token };
+        store.write(Write::advance(&fingerprint, c, time), fence).await
+    };
+    Begun::Write(Flight { cursor: c, write: Box::pin(write.instrument(span)) })
+}
+
+/// Takes in how a write of `cursor` ended.
+fn finish(cx: &Ctx<'_>, p: &mut Pipeline, cursor: u64, out: Result<CommitOutcome, StoreError>) -> Commit {
+    let c = cursor;
     let label = match &out {
         Ok(CommitOutcome::Saved) => "saved",
         Ok(CommitOutcome::NotNewer { .. }) => "not_newer",
@@ -63,9 +105,9 @@ pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, f
     metrics::counter!(m::COMMITS, "outcome" => label).increment(1);
     match out {
         Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
-            p.committed = Some(c);
+            p.committed = Some(p.committed.map_or(c, |done| done.max(c)));
             cx.remember(&p.ctx.fingerprint, c, false);
-            cx.status.update(|s| s.committed = Some(c));
+            cx.status.update(|s| s.committed = p.committed);
             Commit::Committed(c)
         }
         Ok(CommitOutcome::Fenced { current: None }) => {
@@ -90,10 +132,20 @@ pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, f
     }
 }
 
+/// Commits the watermark if it moved, waiting for the store.
+pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, final_: bool) -> Commit {
+    match begin(cx, term, p, final_) {
+        Begun::Done(c) => c,
+        Begun::Write(f) => f.land(cx, p).await,
+    }
+}
+
 impl Leader<'_, '_> {
     /// A fenced rewind (or first commit) of the stored cursor to `cursor`, retried while
     /// the store is unavailable.
     async fn reset_cursor(&mut self, cursor: u64) -> Result<(), Step> {
+        // A rewind replaces the cursor: no earlier write may land after it.
+        self.land().await?;
         let (cx, term) = (self.cx, &self.term);
         let fp = self.p.ctx.fingerprint.clone();
         let holder = term.holder();
@@ -126,11 +178,39 @@ impl Leader<'_, '_> {
         self.reset_cursor(seq.saturating_sub(1)).await
     }
 
-    /// The commit tick: commit, close the overlap window once the position passed it,
-    /// then refresh the lag figures.
-    pub(super) async fn tick(&mut self) -> Step {
-        if commit(self.cx, &self.term, &mut self.p, false).await == Commit::Fenced {
+    /// A write started by the tick finished.
+    pub(super) fn on_landed(&mut self, out: Result<CommitOutcome, StoreError>) -> Step {
+        let f = self.flight.take().expect("a write in flight");
+        if finish(self.cx, &mut self.p, f.cursor, out) == Commit::Fenced {
             return Step::End(TermEnd::Lost);
+        }
+        Step::Next
+    }
+
+    /// Waits for the tick's write in flight, if any: before anything else writes the
+    /// cursor or the pipeline is replaced, so writes land in the order they were made.
+    pub(super) async fn land(&mut self) -> Result<(), Step> {
+        let Some(f) = self.flight.take() else { return Ok(()) };
+        let out = match guarded(self.cx, &self.term, f.write).await {
+            Ok(out) => out,
+            Err(i) => return Err(i.into()),
+        };
+        match finish(self.cx, &mut self.p, f.cursor, out) {
+            Commit::Fenced => Err(Step::End(TermEnd::Lost)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The commit tick: start a commit, close the overlap window once the position passed it,
+    /// then refresh the lag figures.
+    pub(super) fn tick(&mut self) -> Step {
+        // One write at a time: a tick while one is in flight only refreshes the figures.
+        if self.flight.is_none() {
+            match begin(self.cx, &self.term, &mut self.p, false) {
+                Begun::Done(Commit::Fenced) => return Step::End(TermEnd::Lost),
+                Begun::Done(_) => {}
+                Begun::Write(f) => self.flight = Some(f),
+            }
         }
         if let Some(until) = self.overlap_until
             && self.p.times.at_cursor().is_some_and(|t| t > until)

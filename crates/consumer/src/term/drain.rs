@@ -17,6 +17,7 @@ impl Leader<'_, '_> {
             Ok(Err(_)) => return Err(Step::End(TermEnd::Lost)),
             Err(i) => return Err(i.into()),
         }
+        self.land().await?;
         if commit(self.cx, &self.term, &mut self.p, true).await == Commit::Fenced {
             return Err(Step::End(TermEnd::Lost));
         }
@@ -32,6 +33,9 @@ impl Leader<'_, '_> {
         self.sub.close().await;
         if let Err(i) = guarded(self.cx, &self.term, self.p.wind_down()).await {
             return i.into();
+        }
+        if let Err(s) = self.land().await {
+            return s;
         }
         if commit(self.cx, &self.term, &mut self.p, true).await == Commit::Fenced {
             return Step::End(TermEnd::Lost);
@@ -54,9 +58,15 @@ impl Leader<'_, '_> {
         cx.status.update(|s| s.role = Role::SteppingDown);
         tracing::info!(token = self.term.token(), in_flight = self.p.watermark.in_flight(), "draining before release");
         self.sub.close().await;
-        let Leader { term, mut p, .. } = self;
+        let Leader { term, mut p, flight, .. } = self;
         let drain = async {
             p.drain().await.map_err(|e| e.to_string())?;
+            // The tick's write lands before the final one is made.
+            if let Some(f) = flight
+                && f.land(cx, &mut p).await == Commit::Fenced
+            {
+                return Err("commit fenced or the term ended".to_owned());
+            }
             // A store that is briefly away does not make the step-down unclean: retry the
             // final commit while the term lasts (the drain budget bounds it too).
             loop {

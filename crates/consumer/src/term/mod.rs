@@ -231,6 +231,8 @@ struct Leader<'a, 'c> {
     chains: Option<Chains>,
     /// The events counter by type, registered once.
     events: crate::metrics::EventCounters,
+    /// The tick's cursor write, while the store has not answered.
+    flight: Option<commit::Flight<'c>>,
 }
 
 impl Leader<'_, '_> {
@@ -266,7 +268,8 @@ impl Leader<'_, '_> {
                 () = self.cx.shutdown.cancelled() => Step::Shutdown,
                 // Before the done results: a busy stream always has one ready, and a
                 // biased select would never reach the commit tick behind them.
-                _ = tick.tick() => self.tick().await,
+                _ = tick.tick() => self.tick(),
+                out = commit::landed(&mut self.flight) => self.on_landed(out),
                 Some(r) = self.p.done.recv() => match self.p.on_done(r) {
                     Ok(()) => Step::Next,
                     Err(LaneStop::Invalid(stop)) => self.stop_at_invalid(*stop).await,

@@ -159,6 +159,7 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         recent,
         chains,
         events: m::EventCounters::new(),
+        flight: None,
     };
     l.begin(role, cursor);
     match l.run().await {
