@@ -374,7 +374,7 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_LEASE_OP_TIMEOUT_MS", lease.op_timeout, "hard timeout of every Redis call"),
     millis!("FIREKEEPER_LEASE_MARGIN_MS", lease.margin, "the leader stops acting this long before the key could expire"),
     millis!("FIREKEEPER_LEASE_POLL_MS", lease.poll, "standby poll (±20 % jitter); standbys also wake on release"),
-    millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed"),
+    millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed (one write in flight; intake reads on meanwhile); a quiet stream writes its cursor again every 10 intervals, so a store that lost it gets it back"),
     millis!("FIREKEEPER_DRAIN_BUDGET_MS", options.drain_budget, "step-down drain budget"),
     setting!("FIREKEEPER_HTTP_ADDR", Kind::Text, |r, v| r.http_addr = http_addr(v)?, |d| d.http_addr.map_or_else(|| "off".into(), |a| a.to_string()), "`/healthz`, `/readyz`, `/metrics`, `/status`; `off` disables"),
     count!("FIREKEEPER_LANES", 256, options.lanes, "processing lanes; one repo's events always share a lane (order per repo)"),

@@ -29,6 +29,9 @@ fn age_seconds(t: &str) -> Option<f64> {
     Some((time::OffsetDateTime::now_utc() - t).as_seconds_f64())
 }
 
+/// Ticks without a write after which the committed cursor is written again.
+const REASSERT_TICKS: u32 = 10;
+
 /// A cursor write under way: the tick starts it and the intake reads on meanwhile (a
 /// store round trip or an fsync must not stall the socket); it lands in the work loop,
 /// or is awaited before anything else writes the cursor.
@@ -61,15 +64,16 @@ enum Begun<'s> {
     Write(Flight<'s>),
 }
 
-/// Starts committing the watermark if it moved.
-fn begin<'s>(cx: &Ctx<'s>, term: &lease::Term, p: &mut Pipeline, final_: bool) -> Begun<'s> {
+/// Starts committing the watermark if it moved (or, with `again`, also when it did not:
+/// the write then restores a cursor the store lost, and is `NotNewer` otherwise).
+fn begin<'s>(cx: &Ctx<'s>, term: &lease::Term, p: &mut Pipeline, final_: bool, again: bool) -> Begun<'s> {
     // Act only while the term is active, whatever the store would answer: a process that
     // was frozen past its deadline must not commit before its supervisor notices.
     if !term.is_active() {
         return Begun::Done(Commit::Fenced);
     }
     let Some(c) = p.watermark.committable() else { return Begun::Done(Commit::Idle) };
-    if p.committed.is_some_and(|done| done >= c) {
+    if !again && p.committed.is_some_and(|done| done >= c) {
         return Begun::Done(Commit::Idle);
     }
     if cx.handler.commits_cursor() {
@@ -105,6 +109,9 @@ fn finish(cx: &Ctx<'_>, p: &mut Pipeline, cursor: u64, out: Result<CommitOutcome
     metrics::counter!(m::COMMITS, "outcome" => label).increment(1);
     match out {
         Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
+            if matches!(out, Ok(CommitOutcome::Saved)) && p.committed.is_some_and(|done| done >= c) {
+                tracing::warn!(cursor = c, "the store had lost this term's committed cursor: written again");
+            }
             p.committed = Some(p.committed.map_or(c, |done| done.max(c)));
             cx.remember(&p.ctx.fingerprint, c, false);
             cx.status.update(|s| s.committed = p.committed);
@@ -134,7 +141,7 @@ fn finish(cx: &Ctx<'_>, p: &mut Pipeline, cursor: u64, out: Result<CommitOutcome
 
 /// Commits the watermark if it moved, waiting for the store.
 pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, final_: bool) -> Commit {
-    match begin(cx, term, p, final_) {
+    match begin(cx, term, p, final_, false) {
         Begun::Done(c) => c,
         Begun::Write(f) => f.land(cx, p).await,
     }
@@ -206,10 +213,18 @@ impl Leader<'_, '_> {
     pub(super) fn tick(&mut self) -> Step {
         // One write at a time: a tick while one is in flight only refreshes the figures.
         if self.flight.is_none() {
-            match begin(self.cx, &self.term, &mut self.p, false) {
+            // A quiet stream writes its cursor again now and then: a store that lost it
+            // (failed over to a lagging replica, restored from a backup) gets it back
+            // without waiting for the next event.
+            self.quiet_ticks += 1;
+            let again = self.quiet_ticks >= REASSERT_TICKS;
+            match begin(self.cx, &self.term, &mut self.p, false, again) {
                 Begun::Done(Commit::Fenced) => return Step::End(TermEnd::Lost),
                 Begun::Done(_) => {}
-                Begun::Write(f) => self.flight = Some(f),
+                Begun::Write(f) => {
+                    self.quiet_ticks = 0;
+                    self.flight = Some(f);
+                }
             }
         }
         if let Some(until) = self.overlap_until

@@ -233,6 +233,8 @@ struct Leader<'a, 'c> {
     events: crate::metrics::EventCounters,
     /// The tick's cursor write, while the store has not answered.
     flight: Option<commit::Flight<'c>>,
+    /// Ticks since the last cursor write.
+    quiet_ticks: u32,
 }
 
 impl Leader<'_, '_> {

@@ -160,6 +160,7 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         chains,
         events: m::EventCounters::new(),
         flight: None,
+        quiet_ticks: 0,
     };
     l.begin(role, cursor);
     match l.run().await {
