@@ -97,9 +97,8 @@ fn begin<'s>(cx: &Ctx<'s>, term: &lease::Term, p: &mut Pipeline, final_: bool, a
     Begun::Write(Flight { cursor: c, write: Box::pin(write.instrument(span)) })
 }
 
-/// Takes in how a write of `cursor` ended.
-fn finish(cx: &Ctx<'_>, p: &mut Pipeline, cursor: u64, out: Result<CommitOutcome, StoreError>) -> Commit {
-    let c = cursor;
+/// Takes in how a write of cursor `c` ended.
+fn finish(cx: &Ctx<'_>, p: &mut Pipeline, c: u64, out: Result<CommitOutcome, StoreError>) -> Commit {
     let label = match &out {
         Ok(CommitOutcome::Saved) => "saved",
         Ok(CommitOutcome::NotNewer { .. }) => "not_newer",
@@ -198,13 +197,10 @@ impl Leader<'_, '_> {
     /// cursor or the pipeline is replaced, so writes land in the order they were made.
     pub(super) async fn land(&mut self) -> Result<(), Step> {
         let Some(f) = self.flight.take() else { return Ok(()) };
-        let out = match guarded(self.cx, &self.term, f.write).await {
-            Ok(out) => out,
-            Err(i) => return Err(i.into()),
-        };
-        match finish(self.cx, &mut self.p, f.cursor, out) {
-            Commit::Fenced => Err(Step::End(TermEnd::Lost)),
-            _ => Ok(()),
+        match guarded(self.cx, &self.term, f.land(self.cx, &mut self.p)).await {
+            Ok(Commit::Fenced) => Err(Step::End(TermEnd::Lost)),
+            Ok(_) => Ok(()),
+            Err(i) => Err(i.into()),
         }
     }
 

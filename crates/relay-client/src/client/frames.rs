@@ -15,29 +15,29 @@ use crate::item::{Item, Notice, OwnedFrame};
 impl Subscription {
     /// One WebSocket message: the connection's end, a pong, or a binary frame to decode.
     pub(super) fn on_message(&mut self, msg: Read) -> Result<Option<Item>, SubscribeError> {
-        let msg = match msg {
-            Read::Binary(bytes) => return self.on_binary(bytes),
-            Read::Other(msg) => msg,
-        };
         match msg {
-            Some(Ok(WsMessage::Binary(b))) => self.on_binary(Vec::from(b)),
-            Some(Err(tungstenite::Error::Capacity(_))) => self.oversized(),
-            Some(Ok(WsMessage::Text(t))) => self.bad_frame(None, DecodeError::TextMessage { len: t.len() }),
-            Some(Ok(WsMessage::Pong(_))) => {
+            Read::Binary(bytes) => self.on_binary(bytes),
+            // The reader hands binaries over as `Binary`; kept whole for completeness.
+            Read::Other(Some(Ok(WsMessage::Binary(b)))) => self.on_binary(Vec::from(b)),
+            Read::Other(Some(Err(tungstenite::Error::Capacity(_)))) => self.oversized(),
+            Read::Other(Some(Ok(WsMessage::Text(t)))) => {
+                self.bad_frame(None, DecodeError::TextMessage { len: t.len() })
+            }
+            Read::Other(Some(Ok(WsMessage::Pong(_)))) => {
                 if let Link::Up(c) = &mut self.link {
                     c.pong_due = None;
                 }
                 Ok(None)
             }
-            None | Some(Ok(WsMessage::Close(_))) => {
+            Read::Other(None | Some(Ok(WsMessage::Close(_)))) => {
                 self.fail(ConnError::ClosedByRelay);
                 Ok(None)
             }
-            Some(Err(e)) => {
+            Read::Other(Some(Err(e))) => {
                 self.fail(ConnError::Io(describe(&e)));
                 Ok(None)
             }
-            Some(Ok(WsMessage::Ping(_) | WsMessage::Frame(_))) => Ok(None),
+            Read::Other(Some(Ok(WsMessage::Ping(_) | WsMessage::Frame(_)))) => Ok(None),
         }
     }
 

@@ -375,15 +375,13 @@ impl Subscription {
     fn on_batch(&mut self, batch: Vec<Read>) -> Result<Option<Item>, SubscribeError> {
         let Link::Up(conn) = &mut self.link else { return Ok(None) };
         let data = batch.iter().any(|r| matches!(r, Read::Binary(_)));
-        conn.ready = batch.into_iter();
+        let mut batch = batch.into_iter();
+        let first = batch.next();
+        conn.ready = batch;
         if data {
             self.saw_data();
         }
-        let Link::Up(conn) = &mut self.link else { return Ok(None) };
-        match conn.ready.next() {
-            Some(r) => self.on_message(r),
-            None => Ok(None),
-        }
+        first.map_or(Ok(None), |r| self.on_message(r))
     }
 }
 
