@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use checkpoint::{CommitOutcome, CursorStore, Fence, FileStore, ReadOutcome, StoreError, Write, WriteKind};
-use consumer::{BatchCtx, Builder, Event, Handler, HandlerError, Options, async_trait};
-use relay_client::RelayUrl;
-use relay_sim::{RelaySim, SimConfig};
+use consumer::{BatchCtx, Event, Handler, HandlerError, Options, async_trait};
 use tokio::sync::Notify;
+
+mod local;
 
 /// A file store whose advances wait, while `hold` is set, until released; it records
 /// the cursors it was asked to advance to and how many writes were in it at once.
@@ -62,6 +62,22 @@ impl CursorStore for Held {
     }
 }
 
+impl Held {
+    fn release(&self) {
+        self.hold.store(false, Ordering::SeqCst);
+        self.release.notify_waiters();
+    }
+
+    /// Never two writes in the store at once; advances never going back; `cursor`
+    /// stored under `fingerprint`.
+    async fn assert_stored(&self, fingerprint: &str, cursor: u64) {
+        assert_eq!(self.most_inside.load(Ordering::SeqCst), 1, "two cursor writes were in the store at once");
+        let advances = self.advances.lock().expect("lock").clone();
+        assert!(advances.windows(2).all(|w| w[0] <= w[1]), "advances out of order: {advances:?}");
+        assert_eq!(self.inner.read(fingerprint).await.expect("read"), ReadOutcome::Found(cursor));
+    }
+}
+
 /// Counts the events handed over.
 #[derive(Default)]
 struct Count(AtomicUsize);
@@ -79,32 +95,11 @@ impl Handler for Count {
 struct Setup {
     store: Arc<Held>,
     handler: Arc<Count>,
-    status: consumer::StatusHandle,
-    fp: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    run: tokio::task::JoinHandle<Result<(), consumer::Error>>,
-    _sim: RelaySim,
+    local: local::Local,
 }
 
 impl Setup {
     async fn start(frames: Vec<bytes::Bytes>, name: &str, hold: bool) -> Self {
-        let sim =
-            RelaySim::start_with(frames, SimConfig::default(), "127.0.0.1:0".parse().expect("a")).await.expect("sim");
-        let relay = RelayUrl::parse(&sim.url()).expect("url");
-        let fp = relay.fingerprint().to_owned();
-        let dir = testkit::tmpdir(name);
-        let lock = dir.join("lease.lock");
-        let inner = FileStore::new(&dir.join("cursors"), &lock).expect("store");
-        inner.force(&fp, 0).await.expect("seed");
-        let store = Arc::new(Held {
-            inner,
-            hold: AtomicBool::new(hold),
-            waiting: AtomicUsize::new(0),
-            release: Notify::new(),
-            inside: AtomicUsize::new(0),
-            most_inside: AtomicUsize::new(0),
-            advances: Mutex::new(Vec::new()),
-        });
         let handler = Arc::new(Count::default());
         // A small window: without reading on during the commit, intake would stop at it.
         let options = Options {
@@ -113,39 +108,29 @@ impl Setup {
             commit_interval: std::time::Duration::from_millis(20),
             ..Options::default()
         };
-        let consumer = Builder::new(relay)
-            .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
-            .shared_store(store.clone())
-            .shared_handler(handler.clone())
-            .options(options)
-            .build()
-            .expect("build");
-        let status = consumer.status();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let run = tokio::spawn(consumer.run(async {
-            let _ = stopped.await;
-        }));
+        let mut wrapped = None;
+        let local = local::Local::start_with_store(frames, handler.clone(), options, name, |inner| {
+            let store = Arc::new(Held {
+                inner,
+                hold: AtomicBool::new(hold),
+                waiting: AtomicUsize::new(0),
+                release: Notify::new(),
+                inside: AtomicUsize::new(0),
+                most_inside: AtomicUsize::new(0),
+                advances: Mutex::new(Vec::new()),
+            });
+            wrapped = Some(store.clone());
+            store
+        })
+        .await;
+        let store = wrapped.expect("the store");
         if hold {
             testkit::eventually("a commit held in the store", testkit::WAIT, async || {
                 store.waiting.load(Ordering::SeqCst) >= 1
             })
             .await;
         }
-        Self { store, handler, status, fp, stop: Some(stop), run, _sim: sim }
-    }
-
-    fn release(&self) {
-        self.store.hold.store(false, Ordering::SeqCst);
-        self.store.release.notify_waiters();
-    }
-
-    /// Never two writes in the store at once; advances never going back; `cursor`
-    /// stored.
-    async fn assert_stored(&self, cursor: u64) {
-        assert_eq!(self.store.most_inside.load(Ordering::SeqCst), 1, "two cursor writes were in the store at once");
-        let advances = self.store.advances.lock().expect("lock").clone();
-        assert!(advances.windows(2).all(|w| w[0] <= w[1]), "advances out of order: {advances:?}");
-        assert_eq!(self.store.inner.read(&self.fp).await.expect("read"), ReadOutcome::Found(cursor));
+        Self { store, handler, local }
     }
 }
 
@@ -157,7 +142,7 @@ async fn a_commit_waiting_on_the_store_does_not_stall_the_intake() {
     let frames = relay_sim::capture::repeat(&testkit::fixture_frames(), 10);
     let total = frames.len();
     let last = relay_sim::frame_seq(frames.last().expect("frames")).expect("seq");
-    let mut s = Setup::start(frames, "slow-store", true).await;
+    let s = Setup::start(frames, "slow-store", true).await;
     let held_at = s.handler.0.load(Ordering::SeqCst);
     testkit::eventually("every event handed over while the commit is held", testkit::WAIT, async || {
         s.handler.0.load(Ordering::SeqCst) >= total
@@ -165,12 +150,14 @@ async fn a_commit_waiting_on_the_store_does_not_stall_the_intake() {
     .await;
     assert!(held_at < total, "the stream was over before the commit was held ({held_at} of {total}): proves nothing");
     assert_eq!(s.store.waiting.load(Ordering::SeqCst), 1, "one write at a time while the first is held");
-    s.release();
-    testkit::eventually("the last seq committed", testkit::WAIT, async || s.status.snapshot().committed == Some(last))
-        .await;
-    let _ = s.stop.take().expect("running").send(());
-    (&mut s.run).await.expect("join").expect("clean stop");
-    s.assert_stored(last).await;
+    s.store.release();
+    testkit::eventually("the last seq committed", testkit::WAIT, async || {
+        s.local.status.snapshot().committed == Some(last)
+    })
+    .await;
+    let fp = s.local.fingerprint.clone();
+    s.local.stop().await;
+    s.store.assert_stored(&fp, last).await;
 }
 
 /// An undecodable event stops the leader, which first commits what came before it: that
@@ -192,10 +179,10 @@ async fn the_commit_before_a_fatal_stop_waits_for_the_one_in_flight() {
     .await;
     // Every chance for a second write to start while the first is held.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    s.release();
-    let out = tokio::time::timeout(testkit::WAIT, &mut s.run).await.expect("run returned").expect("join");
+    s.store.release();
+    let out = tokio::time::timeout(testkit::WAIT, &mut s.local.run).await.expect("run returned").expect("join");
     assert!(out.is_err(), "the leader stops at the undecodable event");
-    s.assert_stored(before).await;
+    s.store.assert_stored(&s.local.fingerprint, before).await;
 }
 
 /// The store loses the committed cursor (a failover to a lagging replica, a restore from
@@ -205,14 +192,15 @@ async fn the_commit_before_a_fatal_stop_waits_for_the_one_in_flight() {
 async fn a_cursor_the_store_lost_is_written_again_while_the_stream_is_quiet() {
     let frames = testkit::fixture_frames();
     let last = relay_sim::frame_seq(frames.last().expect("frames")).expect("seq");
-    let mut s = Setup::start(frames, "slow-store-lost", false).await;
-    testkit::eventually("the last seq committed", testkit::WAIT, async || s.status.snapshot().committed == Some(last))
-        .await;
-    s.store.inner.force(&s.fp, 100).await.expect("lose it");
-    testkit::eventually("the cursor written again", testkit::WAIT, async || {
-        s.store.inner.read(&s.fp).await.ok() == Some(ReadOutcome::Found(last))
+    let s = Setup::start(frames, "slow-store-lost", false).await;
+    testkit::eventually("the last seq committed", testkit::WAIT, async || {
+        s.local.status.snapshot().committed == Some(last)
     })
     .await;
-    let _ = s.stop.take().expect("running").send(());
-    (&mut s.run).await.expect("join").expect("clean stop");
+    s.store.inner.force(&s.local.fingerprint, 100).await.expect("lose it");
+    testkit::eventually("the cursor written again", testkit::WAIT, async || {
+        s.store.inner.read(&s.local.fingerprint).await.ok() == Some(ReadOutcome::Found(last))
+    })
+    .await;
+    s.local.stop().await;
 }
