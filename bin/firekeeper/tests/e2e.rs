@@ -243,12 +243,12 @@ fn config_errors_name_every_bad_variable_and_exit_2() {
 /// The binary runs on jemalloc with the decay settings of `.cargo/config.toml` (freed
 /// pages back within 500 ms: without them resident memory doubles under load).
 #[test]
-fn the_binary_allocates_through_jemalloc_with_the_shipped_decay_settings() {
+fn the_binary_allocates_through_jemalloc_with_the_shipped_settings() {
     let env: HashMap<String, String> = [("_RJEM_MALLOC_CONF".to_owned(), "stats_print:true".to_owned())].into();
     let out = run_once(&env, &["settings"]);
     assert!(out.status.success());
     let stats = String::from_utf8_lossy(&out.stderr);
-    for want in ["opt.dirty_decay_ms: 500", "opt.muzzy_decay_ms: 0"] {
+    for want in ["opt.dirty_decay_ms: 500", "opt.muzzy_decay_ms: 0", "opt.narenas: 1"] {
         assert!(stats.contains(want), "{want} not in jemalloc's statistics:\n{}", &stats[..stats.len().min(2000)]);
     }
 }
