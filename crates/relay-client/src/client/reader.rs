@@ -107,11 +107,18 @@ mod tests {
         (s.chain(stream::pending()), taken)
     }
 
+    /// A reader task over `s` and the receiving end of its queue.
+    fn spawn(
+        s: impl Stream<Item = Item> + Unpin + Send + 'static,
+    ) -> (tokio::task::JoinHandle<()>, mpsc::Receiver<Vec<Read>>) {
+        let (tx, rx) = mpsc::channel(QUEUED);
+        (tokio::spawn(run(s, tx)), rx)
+    }
+
     #[tokio::test]
     async fn a_busy_socket_is_handed_over_in_full_batches_and_read_ahead_is_bounded() {
         let (s, taken) = counted(10 * BATCH, 100);
-        let (tx, mut rx) = mpsc::channel(QUEUED);
-        let reader = tokio::spawn(run(s, tx));
+        let (reader, mut rx) = spawn(s);
         // Nobody takes the batches: the reader fills the queue, holds one batch more, and stops reading.
         let bound = (QUEUED + 1) * BATCH;
         testkit::eventually("the reader to fill its queue", testkit::WAIT, async || {
@@ -131,8 +138,7 @@ mod tests {
     async fn a_batch_is_cut_at_its_byte_bound() {
         let len = BATCH_BYTES / 4 + 1;
         let (s, _) = counted(8, len);
-        let (tx, mut rx) = mpsc::channel(QUEUED);
-        let reader = tokio::spawn(run(s, tx));
+        let (reader, mut rx) = spawn(s);
         let batch = rx.recv().await.expect("a batch");
         assert_eq!(batch.len(), 4, "four messages of over a quarter of the bound make a batch");
         reader.abort();
@@ -142,8 +148,7 @@ mod tests {
     async fn what_the_socket_holds_is_handed_over_without_waiting_for_a_full_batch() {
         // Three messages ready, then a socket that stays quiet.
         let s = stream::iter((0..3).map(|_| Ok(binary(10)))).chain(stream::pending());
-        let (tx, mut rx) = mpsc::channel(QUEUED);
-        let reader = tokio::spawn(run(s, tx));
+        let (reader, mut rx) = spawn(s);
         let batch = tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv())
             .await
             .expect("handed over while the socket is quiet")
