@@ -2,7 +2,7 @@
 #   make run     relay-sim replays the fixture; firekeeper consumes it on embedded defaults
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
 #   make bench   decode benchmark (criterion), the chain check's memory, figures through the real binary
-#   make chaos   the fault suites (Redis and NATS) at scale 4 (make test runs both at scale 1)
+#   make chaos   the fault suites (Redis and NATS) at scale 4, and 20,000 generated relay switches (make test runs scale 1, 300 switches)
 #   make soak    30 minutes of random faults under the chaos oracle, on Redis and on NATS (make test runs 20 s each)
 #   make lint    the CI style gates: rustfmt check, clippy (pedantic) with warnings as errors
 
@@ -35,6 +35,7 @@ bench: deps
 	$(CARGO) bench -p firekeeper --bench cluster
 
 chaos: deps
+	FK_SWITCH_CASES=20000 $(CARGO) nextest run -p consumer -E 'test(every_generated_switch)' --no-fail-fast
 	FK_TEST_CHAOS_SCALE=4 $(CARGO) nextest run -p firekeeper --test chaos --test chaos_nats --no-fail-fast
 
 soak: deps

@@ -5,7 +5,8 @@
 //! - The operator's run from the reliability review: the secondary's window holds less
 //!   than the 30 s overlap but reaches back past the committed position; the primary dies
 //!   at 40 % of the stream and returns at 70 %. It used to exit with status 1 ("cannot
-//!   switch … without a gap"); now every event arrives exactly once and it never exits.
+//!   switch … without a gap"); now the start is proven by content inside that window,
+//!   every event arrives exactly once and it never exits.
 //! - A secondary whose window does not reach back: the switch is refused, the leader
 //!   stays (not ready, the missing range in `/status`), and when the primary returns
 //!   everything arrives exactly once.
@@ -143,11 +144,10 @@ async fn a_window_shorter_than_the_overlap_with_the_primary_back_at_70_percent_l
     let got = got(&r.out);
     assert_exactly_once(&got, &want);
     assert!(got.values().any(|(_, relays)| relays.iter().any(|x| x == "secondary")), "the secondary served some");
-    assert!(
-        metrics.lines().any(|l| l.starts_with("firekeeper_switch_overlap_short_total") && !l.ends_with(" 0")),
-        "the short overlap is counted:\n{metrics}"
-    );
-    assert!(log.contains("holds less than the overlap"), "and logged");
+    // The window reaches back into what was handed over: the start is shown by content,
+    // not taken at the window's start for want of a clock.
+    assert!(log.contains("the events before it shown handed over"), "{log}");
+    assert!(metrics.contains("firekeeper_relay_switches_total"), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,6 +56,20 @@ impl ChainBreak {
     }
 }
 
+/// Counts and logs a broken chain found at `seq` on `relay`.
+pub(crate) fn report(b: &ChainBreak, seq: u64, relay: &str) {
+    metrics::counter!(crate::metrics::CHAIN_BREAKS).increment(1);
+    tracing::warn!(
+        seq,
+        relay,
+        repo = %b.repo,
+        last_rev = %b.last_rev,
+        since = %b.since,
+        rev = %b.rev,
+        "repo chain broken: the relay skipped a commit of this repo; resync it"
+    );
+}
+
 /// The base32-sortable alphabet of TIDs.
 const TID_ALPHABET: &[u8; 32] = b"234567abcdefghijklmnopqrstuvwxyz";
 
@@ -82,7 +96,7 @@ pub(crate) fn tid(s: &str) -> Option<u64> {
 }
 
 /// The TID string of a value [`tid`] produced.
-fn tid_string(v: u64) -> String {
+pub(crate) fn tid_string(v: u64) -> String {
     (0..13).rev().map(|i| char::from(TID_ALPHABET[((v >> (5 * i)) & 31) as usize])).collect()
 }
 
@@ -213,6 +227,11 @@ impl Chains {
         let Some(r) = tid(rev) else { return false };
         let key = self.keys.hash_one(repo);
         self.revs.peek(key).is_some_and(|l| r <= l)
+    }
+
+    /// The last rev remembered for `repo`, as a TID value.
+    pub(crate) fn last(&self, repo: &str) -> Option<u64> {
+        self.revs.peek(self.keys.hash_one(repo))
     }
 
     /// Repos remembered.

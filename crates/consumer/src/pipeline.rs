@@ -12,7 +12,8 @@ use relay_client::backoff::{Backoff, BackoffConfig};
 use relay_client::json::Written;
 use tokio::sync::mpsc;
 
-use crate::continuity::Times;
+use crate::chain::ChainBreaks;
+use crate::continuity::{Key, Memory, Times};
 use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, render};
 use crate::metrics as m;
 use crate::verify::{Invalid, InvalidPolicy, Verdict, Verifier};
@@ -60,11 +61,38 @@ pub(crate) struct Shape {
     pub(crate) render: Option<Arc<Render>>,
     /// Checks events in the lanes before the handler sees them.
     pub(crate) verifier: Option<Arc<Verifier>>,
+    /// What a chain break does (`None`: the chain check is off).
+    pub(crate) chain_breaks: Option<ChainBreaks>,
+}
+
+impl Shape {
+    /// The lanes a pipeline for `handler` runs: one for a handler that commits the
+    /// cursor in its own transaction.
+    pub(crate) fn lanes_for(&self, handler: &Arc<dyn Handler>) -> usize {
+        if handler.commits_cursor() { 1 } else { self.lanes.max(1) }
+    }
+}
+
+/// The lane of a repo among `lanes` (FNV-1a of the DID): its events' lane, and its part
+/// of the term's memory.
+pub(crate) fn lane_of(did: Option<&str>, lanes: usize) -> usize {
+    let h = did.map_or(0u64, |d| {
+        d.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    });
+    (h % lanes.max(1) as u64) as usize
 }
 
 impl Pipeline {
-    pub(crate) fn new(shape: &Shape, handler: &Arc<dyn Handler>, ctx: BatchCtx, start: Option<u64>) -> Self {
-        let lanes_n = if handler.commits_cursor() { 1 } else { shape.lanes };
+    /// Lanes for `handler` from `start`; with a verifier, each lane records what verified
+    /// in `memory`.
+    pub(crate) fn new(
+        shape: &Shape,
+        handler: &Arc<dyn Handler>,
+        ctx: BatchCtx,
+        start: Option<u64>,
+        memory: Option<&Arc<Memory>>,
+    ) -> Self {
+        let lanes_n = shape.lanes_for(handler);
         let batch_max = handler.max_batch().max(1);
         let write_ahead = handler.write_ahead();
         let (done_tx, done) = mpsc::unbounded_channel();
@@ -80,6 +108,8 @@ impl Pipeline {
                 batch_max,
                 render: shape.render.clone(),
                 verifier: shape.verifier.clone(),
+                memory: shape.verifier.as_ref().and(memory.cloned()),
+                chain_breaks: shape.chain_breaks,
             };
             tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
         }
@@ -101,10 +131,12 @@ impl Pipeline {
 
     /// The lane of a repo (FNV-1a of the DID).
     pub(crate) fn lane_of(&self, did: Option<&str>) -> usize {
-        let h = did.map_or(0u64, |d| {
-            d.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-        });
-        (h % self.lanes.len() as u64) as usize
+        lane_of(did, self.staged.len())
+    }
+
+    /// How many lanes this pipeline runs.
+    pub(crate) fn lane_count(&self) -> usize {
+        self.staged.len()
     }
 
     pub(crate) fn on_done(&mut self, r: Done) -> Result<(), LaneStop> {
@@ -185,6 +217,9 @@ struct Lane {
     batch_max: usize,
     render: Option<Arc<Render>>,
     verifier: Option<Arc<Verifier>>,
+    /// With a verifier: the term's memory, which takes an event only once it verified.
+    memory: Option<Arc<Memory>>,
+    chain_breaks: Option<ChainBreaks>,
 }
 
 /// A submitted batch whose write is not yet durable.
@@ -361,6 +396,10 @@ impl Lane {
         for i in 0..batch.len() {
             let e = &batch[i];
             let verdict = v.check(self.index, e.seq(), e.message(), &self.ctx.cancel).await?;
+            if matches!(verdict, Verdict::Valid) {
+                self.remember(&mut batch[i]);
+                continue;
+            }
             if let Verdict::Invalid(inv) = verdict {
                 if v.policy() == InvalidPolicy::Fail {
                     let seq = batch[i].seq();
@@ -374,6 +413,22 @@ impl Lane {
             }
         }
         Some(None)
+    }
+}
+
+impl Lane {
+    /// Records a verified event in the term's memory (only verified data moves it), and
+    /// attaches the chain break it reveals when breaks are emitted.
+    fn remember(&self, e: &mut Event) {
+        let Some(memory) = &self.memory else { return };
+        let Some(b) = memory.record(self.index, Key::of(e.message())) else { return };
+        let Some(policy) = self.chain_breaks else { return };
+        crate::chain::report(&b, e.seq(), self.ctx.relay.as_str());
+        if policy == ChainBreaks::Emit {
+            // A filtered-out commit that reveals a break still goes out, to carry it.
+            e.hidden = false;
+            e.set_chain_break(b);
+        }
     }
 }
 

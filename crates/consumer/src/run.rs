@@ -88,8 +88,13 @@ impl Consumer {
         let verifier = verify::Verifier::new(&settings.options.verify, lanes, status.desync())
             .map_err(|e| Error::Config(format!("verification: {e}")))?
             .map(Arc::new);
-        let shape =
-            Shape { lanes: settings.options.lanes, queue_depth: settings.options.queue_depth, render, verifier };
+        let shape = Shape {
+            lanes: settings.options.lanes,
+            queue_depth: settings.options.queue_depth,
+            render,
+            verifier,
+            chain_breaks: (settings.options.chain_repos > 0).then_some(settings.options.chain_breaks),
+        };
         let cx = Ctx {
             settings: &settings,
             shape,

@@ -9,236 +9,17 @@
 //! comes from a PDS lagging 60 s, every tenth (offset) from one an hour fast, every
 //! fiftieth from one an hour slow — on both relays, as a relay passes a PDS's time on.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+mod switching;
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use checkpoint::CursorStore as _;
-use consumer::{BatchCtx, Builder, Consumer, Event, GapPolicy, Handler, HandlerError, Options, async_trait};
-use relay_client::{ClientConfig, Message, RelayRole, RelayUrl};
+use consumer::{BatchCtx, Event, GapPolicy, Handler, HandlerError, async_trait};
+use relay_client::{RelayRole, RelayUrl};
 use relay_sim::{RelaySim, SimConfig};
+use switching::*;
 use testkit::{WAIT, eventually};
-
-type Key = (String, String, String);
-
-fn key(m: &Message<'_>) -> Option<Key> {
-    Some(match m {
-        Message::Commit(c) => ("commit".into(), c.repo.into(), c.rev.into()),
-        Message::Sync(s) => ("sync".into(), s.did.into(), s.rev.into()),
-        Message::Identity(i) => ("identity".into(), i.did.into(), i.time.into()),
-        Message::Account(a) => ("account".into(), a.did.into(), a.time.into()),
-        _ => return None,
-    })
-}
-
-fn keys(frames: &[bytes::Bytes]) -> Vec<Key> {
-    frames.iter().filter_map(|f| key(relay_client::decode(f).ok()?.message()?)).collect()
-}
-
-/// Records every event's key, shared by all replicas of a test.
-#[derive(Default)]
-struct Oracle {
-    /// (key, relay, seq, replica) of every event handed over.
-    got: Mutex<Vec<(Key, RelayRole, u64, String)>>,
-    /// Repos whose chain broke (`ChainBreaks::Emit`).
-    breaks: Mutex<Vec<String>>,
-}
-
-#[async_trait]
-impl Handler for Oracle {
-    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        let mut got = self.got.lock().expect("got");
-        for e in batch {
-            if let Some(k) = key(e.message()) {
-                got.push((k, e.relay(), e.seq(), ctx.term.holder()));
-            }
-            if let Some(b) = e.chain_break() {
-                self.breaks.lock().expect("breaks").push(b.repo.clone());
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Oracle {
-    fn counts(&self) -> BTreeMap<Key, usize> {
-        let mut m = BTreeMap::new();
-        for (k, ..) in self.got.lock().expect("got").iter() {
-            *m.entry(k.clone()).or_insert(0) += 1;
-        }
-        m
-    }
-
-    fn taken_from_secondary(&self) -> usize {
-        self.got.lock().expect("got").iter().filter(|(_, r, ..)| *r == RelayRole::Secondary).count()
-    }
-
-    /// Every expected key exactly once.
-    fn assert_exactly_once(&self, want: &[Key]) {
-        let counts = self.counts();
-        let lost: Vec<_> = want.iter().filter(|k| !counts.contains_key(*k)).take(5).collect();
-        let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).take(5).collect();
-        assert!(lost.is_empty() && twice.is_empty(), "lost {lost:?}; delivered twice {twice:?}");
-        assert_eq!(counts.len(), want.len(), "nothing unexpected");
-        assert_eq!(*self.breaks.lock().expect("breaks"), Vec::<String>::new(), "no repo chain broke");
-    }
-}
-
-/// The fixture with skewed PDS clocks ([`testkit::skewed_fixture_frames`]).
-fn frames() -> Vec<bytes::Bytes> {
-    testkit::skewed_fixture_frames()
-}
-
-/// Two paced relays serving [`frames`]: the primary as captured, the secondary in its
-/// own seq space (from 1,000,001, reinterleaved in blocks of 16).
-async fn relays(rate: u32, secondary_window: Option<u64>) -> (RelaySim, RelaySim) {
-    relays_with(rate, SimConfig { window_start: secondary_window, ..SimConfig::default() }).await
-}
-
-/// [`relays`] with the secondary's window set by `window`.
-async fn relays_with(rate: u32, window: SimConfig) -> (RelaySim, RelaySim) {
-    let frames = frames();
-    let paced = SimConfig { initial_head: Some(0), rate: Some(rate), ..SimConfig::default() };
-    let addr = "127.0.0.1:0".parse().expect("addr");
-    let primary = RelaySim::start_with(frames.clone(), paced.clone(), addr).await.expect("primary");
-    let other = relay_sim::reseq(&frames, 1_000_000, 16, 7);
-    let cfg = SimConfig { window_start: window.window_start, window_len: window.window_len, ..paced };
-    let secondary = RelaySim::start_with(other, cfg, addr).await.expect("secondary");
-    (primary, secondary)
-}
-
-fn client() -> ClientConfig {
-    ClientConfig {
-        connect_timeout: Duration::from_secs(1),
-        backoff: relay_client::backoff::BackoffConfig {
-            initial: Duration::from_millis(20),
-            max: Duration::from_millis(100),
-        },
-        healthy_after: Duration::from_millis(100),
-        failover_after: 1,
-        probe_interval: Duration::from_millis(150),
-        probe_successes: 2,
-        probe_hold: Duration::from_millis(100),
-        ..ClientConfig::default()
-    }
-}
-
-/// One replica over the shared directory (lock-file lease, file cursors).
-async fn replica(
-    dir: &std::path::Path,
-    primary: &RelaySim,
-    secondary: &RelaySim,
-    oracle: &Arc<Oracle>,
-    gap: GapPolicy,
-    name: &str,
-) -> Consumer {
-    replica_with(dir, primary, secondary, oracle.clone(), gap, name).await
-}
-
-/// [`replica`] with any handler.
-async fn replica_with(
-    dir: &std::path::Path,
-    primary: &RelaySim,
-    secondary: &RelaySim,
-    handler: Arc<dyn Handler>,
-    gap: GapPolicy,
-    name: &str,
-) -> Consumer {
-    replica_full(dir, primary, secondary, handler, gap, name, |_| {}).await
-}
-
-async fn replica_full(
-    dir: &std::path::Path,
-    primary: &RelaySim,
-    secondary: &RelaySim,
-    handler: Arc<dyn Handler>,
-    gap: GapPolicy,
-    name: &str,
-    f: impl FnOnce(&mut Options),
-) -> Consumer {
-    let lock = dir.join("lease.lock");
-    let store = checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store");
-    let p = RelayUrl::parse(&primary.url()).expect("url");
-    if matches!(store.read(p.fingerprint()).await, Ok(checkpoint::ReadOutcome::Missing)) {
-        store.force(p.fingerprint(), 0).await.expect("seed");
-    }
-    let mut options = Options {
-        commit_interval: Duration::from_millis(50),
-        switch_overlap: Duration::from_secs(5),
-        gap,
-        chain_breaks: consumer::ChainBreaks::Emit,
-        ..Options::default()
-    };
-    f(&mut options);
-    let lease = lease::LeaseConfig {
-        ttl: Duration::from_millis(1500),
-        renew_every: Duration::from_millis(300),
-        op_timeout: Duration::from_millis(200),
-        margin: Duration::from_millis(300),
-        poll: Duration::from_millis(100),
-        ..lease::LeaseConfig::default()
-    };
-    Builder::new(p)
-        .secondary(RelayUrl::parse(&secondary.url()).expect("url"))
-        .client(client())
-        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease)
-        .store(store)
-        .shared_handler(handler)
-        .options(options)
-        .instance_id(name)
-        .build()
-        .expect("build")
-}
-
-/// A replica with the test options changed by `f` (gap policy `fail`).
-async fn replica_opts(
-    dir: &std::path::Path,
-    primary: &RelaySim,
-    secondary: &RelaySim,
-    handler: Arc<dyn Handler>,
-    name: &str,
-    f: impl FnOnce(&mut Options),
-) -> Consumer {
-    replica_full(dir, primary, secondary, handler, GapPolicy::Fail, name, f).await
-}
-
-type Running =
-    (consumer::StatusHandle, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), consumer::Error>>);
-
-fn spawn(c: Consumer) -> Running {
-    // The consumer's log goes to stderr, which nextest shows only for a failing test:
-    // a switch that stalls under load shows where it stood.
-    let _ = tracing_subscriber::fmt().with_env_filter("info").with_writer(std::io::stderr).try_init();
-    let status = c.status();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(c.run(async {
-        let _ = stopped.await;
-    }));
-    (status, stop, run)
-}
-
-async fn on(status: &consumer::StatusHandle, role: RelayRole, what: &str) {
-    eventually(what, WAIT, async || {
-        let s = status.snapshot();
-        s.relay == Some(role) && s.connected && s.role == consumer::Role::Leader
-    })
-    .await;
-}
-
-/// The first relay `status` leads on: leading comes first, the relay once the term has
-/// read where to resume.
-async fn relay_once_leading(status: &consumer::StatusHandle) -> RelayRole {
-    eventually("leading on a relay", WAIT, async || {
-        let s = status.snapshot();
-        s.role == consumer::Role::Leader && s.relay.is_some()
-    })
-    .await;
-    status.snapshot().relay.expect("a relay")
-}
-
-async fn delivered_at_least(oracle: &Oracle, n: usize) {
-    eventually(&format!("{n} events delivered"), WAIT, async || oracle.counts().len() >= n).await;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_failback_and_failover_again_lose_nothing_and_duplicate_nothing() {
@@ -392,7 +173,7 @@ async fn a_leader_crashing_on_the_secondary_loses_nothing_and_repeats_only_its_u
     let got = oracle.got.lock().expect("got").clone();
     let a_tail: std::collections::BTreeSet<&Key> = got
         .iter()
-        .filter(|(_, r, seq, who)| who.starts_with("a:") && *r == RelayRole::Secondary && *seq > committed)
+        .filter(|(_, r, seq, who, _)| who.starts_with("a:") && *r == RelayRole::Secondary && *seq > committed)
         .map(|(k, ..)| k)
         .collect();
     let twice: Vec<&Key> = counts.iter().filter(|(_, n)| **n > 1).map(|(k, _)| k).collect();
@@ -536,54 +317,93 @@ async fn a_switch_with_no_known_time_is_refused_instead_of_jumping_to_the_live_t
     oracle.assert_exactly_once(&want);
 }
 
-/// The primary comes back keeping only its latest 20 events, less than the outage: a
-/// failback would skip what it no longer serves, so it is refused; the leader stays on
-/// the secondary, which still serves, stays ready and shows no refusal, and loses nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failback_to_a_primary_whose_window_is_shorter_than_the_outage_is_refused_quietly() {
-    let want = keys(&frames());
+/// Two relays over the fixture, paced from the test in step once the leader is connected
+/// (paced from their start, a slow first connection on a loaded machine would already
+/// find the first events out of a short window); the primary keeps only its latest
+/// `primary_window` events. After `ahead` is set, the primary publishes everything at
+/// once while the secondary keeps its pace.
+async fn stepped(
+    primary_window: usize,
+) -> (RelaySim, RelaySim, Arc<std::sync::atomic::AtomicBool>, impl FnOnce() -> tokio::task::JoinHandle<()>) {
     let frames = frames();
     let addr = "127.0.0.1:0".parse().expect("addr");
-    // The primary keeps only its latest 20 events, so both relays are paced from the test
-    // once the leader is connected, in step: paced from their start, a slow first
-    // connection (a loaded CI machine) would already find the first events out of the
-    // primary's window.
     let unpaced = SimConfig { initial_head: Some(0), ..SimConfig::default() };
-    let primary = RelaySim::start_with(frames.clone(), SimConfig { window_len: Some(20), ..unpaced.clone() }, addr)
-        .await
-        .expect("primary");
-    let secondary =
-        RelaySim::start_with(relay_sim::reseq(&frames, 1_000_000, 16, 7), unpaced, addr).await.expect("secondary");
-    let dir = testkit::tmpdir("switch-failback-refused");
-    let oracle = Arc::new(Oracle::default());
-    let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
-    on(&status, RelayRole::Primary, "leading on the primary").await;
-    let pacer = {
-        let (p, s, total) = (primary.handle(), secondary.handle(), frames.len());
+    let window = SimConfig { window_len: Some(primary_window), ..unpaced.clone() };
+    let primary = RelaySim::start_with(frames.clone(), window, addr).await.expect("primary");
+    let secondary = RelaySim::start_with(secondary_copy(&frames), unpaced, addr).await.expect("secondary");
+    let ahead = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (p, s, total, a) = (primary.handle(), secondary.handle(), frames.len(), ahead.clone());
+    let pace = move || {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(4));
             for n in 1..=total {
                 tick.tick().await;
-                p.publish_up_to(n);
+                let jump = a.load(std::sync::atomic::Ordering::Relaxed);
+                p.publish_up_to(if jump { total } else { n });
                 s.publish_up_to(n);
             }
         })
     };
+    (primary, secondary, ahead, pace)
+}
+
+/// The primary comes back keeping only its latest 200 events, less than the outage but
+/// reaching back into what the leader handed over from the secondary: its window starts
+/// with events shown delivered by content, so nothing is missing and the failback goes
+/// through (by clocks alone it was refused). Nothing is lost or repeated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failback_to_a_short_window_that_starts_in_delivered_events_goes_through() {
+    let want = keys(&frames());
+    let (primary, secondary, _, pace) = stepped(200).await;
+    let dir = testkit::tmpdir("switch-failback-short");
+    let oracle = Arc::new(Oracle::default());
+    let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
+    on(&status, RelayRole::Primary, "leading on the primary").await;
+    let pacer = pace();
     delivered_at_least(&oracle, 300).await;
     primary.handle().set_down(true);
     on(&status, RelayRole::Secondary, "failover").await;
     delivered_at_least(&oracle, 900).await;
     primary.handle().set_down(false);
+    on(&status, RelayRole::Primary, "failback to the short window").await;
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    run.await.expect("join").expect("clean stop");
+    oracle.assert_exactly_once(&want);
+    pacer.abort();
+}
+
+/// The primary comes back keeping only its latest 20 events, far ahead of where the
+/// leader stands on the secondary: its window starts with events known undelivered, so
+/// a failback would skip what it no longer serves. It is refused; the leader stays on the
+/// secondary, which still serves, stays ready and shows no refusal, and loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failback_to_a_primary_whose_window_is_past_the_position_is_refused_quietly() {
+    let want = keys(&frames());
+    let (primary, secondary, ahead, pace) = stepped(20).await;
+    let dir = testkit::tmpdir("switch-failback-refused");
+    let oracle = Arc::new(Oracle::default());
+    let (status, stop, run) = spawn(replica(&dir, &primary, &secondary, &oracle, GapPolicy::Fail, "a").await);
+    on(&status, RelayRole::Primary, "leading on the primary").await;
+    let pacer = pace();
+    delivered_at_least(&oracle, 300).await;
+    primary.handle().set_down(true);
+    on(&status, RelayRole::Secondary, "failover").await;
+    ahead.store(true, std::sync::atomic::Ordering::Relaxed);
+    delivered_at_least(&oracle, 600).await;
+    primary.handle().set_down(false);
     let mut sampled = 0;
-    eventually("every event", WAIT, async || {
+    eventually("all but the primary's window", WAIT, async || {
         let s = status.snapshot();
         assert!(s.refused_switch.is_none() && status.is_ready(), "a refused failback is not shown: {s:?}");
+        assert_eq!(s.relay, Some(RelayRole::Secondary), "no failback past the position");
         sampled += 1;
-        oracle.counts().len() >= want.len()
+        oracle.counts().len() >= want.len() - 60
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(status.snapshot().relay, Some(RelayRole::Secondary), "still on the secondary");
+    eventually("every event", WAIT, async || oracle.counts().len() >= want.len()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let _ = stop.send(());
     run.await.expect("join").expect("clean stop");
     oracle.assert_exactly_once(&want);
@@ -635,7 +455,7 @@ async fn a_leader_crashing_during_a_short_window_switch_loses_nothing() {
     // switch had handed them over already.
     let from_primary = twice
         .iter()
-        .filter(|k| got.iter().any(|(g, r, _, who)| g == **k && *r == RelayRole::Primary && who.starts_with("a:")))
+        .filter(|k| got.iter().any(|(g, r, _, who, _)| g == **k && *r == RelayRole::Primary && who.starts_with("a:")))
         .count();
     eprintln!(
         "crash during a short-window switch: {} events repeated, {from_primary} of them first handed over from the primary",

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use relay_client::probe::{PROBE_EVENTS, ProbeError, find_start, time_ms};
+use relay_client::probe::{PROBE_EVENTS, ProbeError, find_start_by_time as find_start, time_ms};
 use relay_client::{Frame, RelayUrl};
 use relay_sim::{RelaySim, SimConfig};
 
@@ -62,7 +62,9 @@ async fn finds_a_cursor_at_or_just_before_the_target_time_and_reports_gaps() {
     assert!(rough.cursor < ev[1100].0, "{rough:?}");
     // Needed time before the window: a gap that says where the window starts.
     match find_start(&url, ev[10].1, 64, wait).await {
-        Err(ProbeError::Gap { oldest_seq, oldest_ms }) => {
+        Err(ProbeError::Gap { oldest_seq, oldest_ms, proven, shown }) => {
+            assert!(!shown, "by time alone nothing is shown");
+            assert!(!proven, "by time alone nothing is proven");
             assert_eq!(oldest_seq, window);
             let first = window as usize - 1;
             assert!((ev[first].1..=ev[first + PROBE_EVENTS].1).contains(&oldest_ms), "{oldest_ms}");

@@ -223,11 +223,10 @@ impl Leader<'_, '_> {
                 }
             }
         }
-        if let Some(until) = self.overlap_until
-            && self.p.times.at_cursor().is_some_and(|t| t > until)
-        {
+        let position = self.p.times.at_cursor();
+        if self.overlap.as_ref().is_some_and(|o| o.over(position)) {
             tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");
-            self.overlap_until = None;
+            self.overlap = None;
         }
         let (delivered, in_flight) = (self.sub.cursor(), self.p.watermark.in_flight());
         let lag = delivered.zip(self.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
@@ -236,8 +235,12 @@ impl Leader<'_, '_> {
         if let Some(l) = lag_seconds {
             metrics::gauge!(m::LAG_SECONDS).set(l);
         }
-        if let Some(c) = &self.chains {
-            metrics::gauge!(m::CHAIN_REPOS).set(c.len() as f64);
+        if let Some(memory) = &self.memory {
+            // Without a stored position, the memory starts at the first one committed.
+            if let Some(t) = position {
+                memory.place(t);
+            }
+            metrics::gauge!(m::CHAIN_REPOS).set(memory.repos() as f64);
         }
         self.cx.status.update(|s| {
             s.last_seq = delivered;

@@ -6,7 +6,8 @@ use relay_client::{Item, Message, Notice, OwnedFrame, SubscribeError};
 use tokio::sync::mpsc;
 
 use super::{Ctx, Leader, Phase, Step, TermEnd, guarded};
-use crate::chain::{ChainBreak, ChainBreaks, Chains};
+use crate::chain::{ChainBreak, ChainBreaks};
+use crate::continuity::Key;
 use crate::error::Fatal;
 use crate::handler::Event;
 use crate::metrics as m;
@@ -15,12 +16,6 @@ use crate::pipeline::CHUNK;
 /// This process's clock, Unix ms.
 fn now_ms() -> i64 {
     i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX / 4)
-}
-
-/// True when the repo's chain proves `m` was handed over: a `#commit` whose rev is not
-/// newer than the last one seen for its repo.
-fn handed_over(chains: &Chains, m: &Message<'_>) -> bool {
-    matches!(m, Message::Commit(c) if chains.covers(c.repo, c.rev))
 }
 
 /// Counts what the client reports besides frames.
@@ -80,11 +75,12 @@ impl Leader<'_, '_> {
             }
         }
         let m = f.message();
-        if self.is_handed_over(seq, m) {
+        let lane = self.p.lane_of(m.did());
+        if self.is_handed_over(seq, lane, m) {
             metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
             return self.pass(seq);
         }
-        let emit = self.chain_check(seq, m);
+        let emit = self.chain_check(seq, lane, m);
         // A filtered-out commit that reveals a break still goes out, to carry the break.
         // Under verification it goes to its lane hidden: the repo's chain needs every
         // commit, and an invalid one is handed over as `#invalid` whatever the filter.
@@ -99,7 +95,6 @@ impl Leader<'_, '_> {
             self.last_time.clear();
             self.last_time.push_str(t);
         }
-        let lane = self.p.lane_of(m.did());
         if let Err(error) = self.p.watermark.deliver(seq) {
             // Intake only reads while the window has room, and the client delivers in
             // increasing seq order: this is a bug, and skipping would lose the event.
@@ -150,46 +145,31 @@ impl Leader<'_, '_> {
         Step::Next
     }
 
-    /// Records the event's time (the position by time) and, with a secondary relay,
-    /// what was handed over; true when the switch overlap proves `m` was handed over
-    /// already (seen recently, or not newer than its repo's chain).
-    fn is_handed_over(&mut self, seq: u64, m: &Message<'_>) -> bool {
-        let time = if self.recent.is_some() || seq.is_multiple_of(64) { m.time().and_then(time_ms) } else { None };
+    /// Records the event's time (the position by time); true when a switch's overlap
+    /// lasts and the memory proves `m` was handed over already.
+    fn is_handed_over(&mut self, seq: u64, lane: usize, m: &Message<'_>) -> bool {
+        let dedupes = self.cx.settings.secondary.is_some();
+        let time = if dedupes || seq.is_multiple_of(64) { m.time().and_then(time_ms) } else { None };
         // A PDS clock ahead of this one's (plus the allowance) is not believed.
         let time = time.map(|t| t.min(now_ms().saturating_add(self.cx.skew_ms())));
         if let Some(t) = time {
             self.p.times.push(seq, t);
         }
-        let Some(recent) = &mut self.recent else { return false };
-        if self.overlap_until.is_some() && (recent.seen(m) || self.chains.as_ref().is_some_and(|c| handed_over(c, m))) {
-            return true;
-        }
-        recent.record(m);
-        false
+        let (Some(o), Some(memory)) = (&mut self.overlap, &self.memory) else { return false };
+        o.drops(memory, lane, Key::of(m))
     }
 
-    /// The chain check: every commit counts, whether the filter keeps it or not. Returns
-    /// the break to carry on the event when breaks are emitted.
-    fn chain_check(&mut self, seq: u64, m: &Message<'_>) -> Option<ChainBreak> {
-        let b = self.chains.as_mut().and_then(|c| match m {
-            Message::Commit(cm) => c.commit(cm.repo, cm.rev, cm.since),
-            Message::Sync(sy) => {
-                c.sync(sy.did, sy.rev);
-                None
-            }
-            _ => None,
-        })?;
-        metrics::counter!(m::CHAIN_BREAKS).increment(1);
-        tracing::warn!(
-            seq,
-            relay = self.role.as_str(),
-            repo = %b.repo,
-            last_rev = %b.last_rev,
-            since = %b.since,
-            rev = %b.rev,
-            "repo chain broken: the relay skipped a commit of this repo; resync it"
-        );
-        (self.cx.settings.options.chain_breaks == ChainBreaks::Emit).then_some(b)
+    /// Without verification, intake records what it hands over (every commit counts,
+    /// whether the filter keeps it or not; with verification the lanes record what
+    /// verified). Returns the break to carry on the event when breaks are emitted.
+    fn chain_check(&mut self, seq: u64, lane: usize, m: &Message<'_>) -> Option<ChainBreak> {
+        if self.cx.shape.verifier.is_some() {
+            return None;
+        }
+        let b = self.memory.as_ref()?.record(lane, Key::of(m))?;
+        let policy = self.cx.shape.chain_breaks?;
+        crate::chain::report(&b, seq, self.role.as_str());
+        (policy == ChainBreaks::Emit).then_some(b)
     }
 
     /// Steps the window over a seq that is not handed to a lane.

@@ -42,8 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::builder::Settings;
-use crate::chain::Chains;
-use crate::continuity::Recent;
+use crate::continuity::{Memory, Overlap};
 use crate::error::Fatal;
 use crate::handler::{BatchCtx, Handler};
 use crate::pipeline::{LaneStop, Pipeline, Shape};
@@ -218,17 +217,14 @@ struct Leader<'a, 'c> {
     sub: Subscription,
     p: Pipeline,
     phase: Phase,
-    /// After a switch, until the position (the robust time at the committed cursor, not
-    /// any one event's clock) passes this relay time: drop what `recent` or the repo's
-    /// chain proves was handed over. Never anything by its time alone (a PDS lagging
-    /// behind sends new events with old times).
-    overlap_until: Option<i64>,
+    /// After a switch: drop what the memory proves was handed over (never anything by
+    /// its time alone: a PDS lagging behind sends new events with old times).
+    overlap: Option<Overlap>,
     /// The time of the newest delivered event (lag is computed from it at each tick).
     last_time: String,
-    /// What was handed over recently (kept only with a secondary relay configured).
-    recent: Option<Recent>,
-    /// Each recent repo's last rev, for the chain check (`None` when it is off).
-    chains: Option<Chains>,
+    /// What this term handed over, per repo: the chain check's state and the switch's
+    /// proof (`None` with neither a chain check nor a secondary relay).
+    memory: Option<Arc<Memory>>,
     /// The events counter by type, registered once.
     events: crate::metrics::EventCounters,
     /// The tick's cursor write, while the store has not answered.

@@ -1,14 +1,15 @@
 //! The start of a term: announce the election to the store, find the relay and the
 //! position the last leader left, and subscribe.
 
+use std::sync::Arc;
+
 use checkpoint::{Fence, ReadOutcome, RelayKey, StoreError};
 use lease::Term;
 use relay_client::{RelayRole, Subscription};
 
 use super::{Ctx, Interrupted, Leader, Phase, Rewind, Step, TermEnd, guarded, while_active};
 use crate::builder::Settings;
-use crate::chain::Chains;
-use crate::continuity::Recent;
+use crate::continuity::Memory;
 use crate::error::Fatal;
 use crate::metrics as m;
 use crate::pipeline::Pipeline;
@@ -69,7 +70,8 @@ fn relay_keys(s: &Settings) -> Vec<(String, String, bool)> {
 impl Leader<'_, '_> {
     /// A fresh pipeline (lanes and window) for `role`'s stream from `start`.
     pub(super) fn pipeline(&self, role: RelayRole, start: Option<u64>) -> Pipeline {
-        Pipeline::new(&self.cx.shape, &self.cx.handler, self.cx.batch_ctx(&self.term, role), start)
+        let ctx = self.cx.batch_ctx(&self.term, role);
+        Pipeline::new(&self.cx.shape, &self.cx.handler, ctx, start, self.memory.as_ref())
     }
 
     /// Subscribes to `role` from `cursor` on the current pipeline: a stream with no
@@ -135,18 +137,34 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
     };
     let s = cx.settings;
     let sub = Subscription::new(s.client.clone(), s.primary.clone(), s.secondary.clone());
-    let mut p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor);
+    // What this term hands over, for the chain check and a relay switch's proof.
+    let memory = (s.options.chain_repos > 0 || s.secondary.is_some()).then(|| {
+        let repos =
+            if s.options.chain_repos > 0 { s.options.chain_repos } else { crate::Options::default().chain_repos };
+        Arc::new(Memory::new(repos, cx.shape.lanes_for(&cx.handler)))
+    });
     // The position by time, as the last leader left it.
-    match guarded(cx, &term, cx.store.read_time(cx.url(role).fingerprint())).await {
-        Ok(Ok(t)) => p.times.carry(t),
-        Ok(Err(e)) => tracing::warn!(error = %e, "reading the stored time of the cursor failed"),
+    let stored_time = match guarded(cx, &term, cx.store.read_time(cx.url(role).fingerprint())).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "reading the stored time of the cursor failed");
+            None
+        }
         Err(Interrupted::TermEnded) => return TermEnd::Lost,
         Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+    };
+    let mut p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor, memory.as_ref());
+    p.times.carry(stored_time);
+    if let Some(m) = &memory {
+        // The memory holds what this term hands over: from the relay's first event it
+        // holds everything; else what earlier terms handed over lies before the stored
+        // position (or, without one, the first position this term commits).
+        match (cursor, stored_time) {
+            (Some(0), _) => m.place(i64::MIN),
+            (_, Some(t)) => m.place(t),
+            _ => {}
+        }
     }
-    // Twice the overlap: a relay's order is only roughly by time, so events a little older
-    // than the overlap's start can still come after it.
-    let recent = s.secondary.as_ref().map(|_| Recent::new(2 * cx.overlap_ms()));
-    let chains = (s.options.chain_repos > 0).then(|| Chains::new(s.options.chain_repos));
     let mut l = Leader {
         cx,
         term,
@@ -154,10 +172,9 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         sub,
         p,
         phase: Phase::Streaming,
-        overlap_until: None,
+        overlap: None,
         last_time: String::new(),
-        recent,
-        chains,
+        memory,
         events: m::EventCounters::new(),
         flight: None,
         quiet_ticks: 0,

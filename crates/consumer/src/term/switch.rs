@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use relay_client::RelayRole;
 use relay_client::client::SwitchReason;
-use relay_client::probe::{ProbeError, find_start};
+use relay_client::probe::{ProbeError, RelayWindow, Sample, find_start};
 
 use super::start::resume_point;
 use super::{Leader, Phase, Rewind, Step, guarded};
-use crate::continuity::GapPolicy;
+use crate::continuity::{self, GapPolicy, Overlap, Start};
 use crate::metrics as m;
 
 /// How often a standing refusal is logged again.
@@ -107,7 +107,7 @@ impl Leader<'_, '_> {
                 self.clear_refusal();
                 self.restart_on(to, cursor);
                 self.begin(to, cursor);
-                self.overlap_until = at.map(|w| w.saturating_add(self.cx.overlap_ms()));
+                self.overlap = self.memory.is_some().then(|| Overlap::after(at, self.cx.overlap_ms()));
                 Step::Next
             }
             Ok(Err(why)) => {
@@ -172,48 +172,54 @@ impl Leader<'_, '_> {
             return Ok(Ok(Some(c)));
         }
         let wait = cx.settings.client.connect_timeout;
+        let memory = self.memory.clone();
+        let lanes = self.p.lane_count();
+        let search = continuity::search(memory.as_deref(), at, overlap, opts.switch_max_probes);
+        let url = cx.url(to);
         // Boxed: the probe's WebSocket state would otherwise sit in every enclosing future.
-        let probe = Box::pin(find_start(cx.url(to), target, opts.switch_max_probes, wait));
+        let probe = Box::pin(async move {
+            let judge = |x: &Sample| continuity::judge(memory.as_deref(), lanes, x);
+            find_start(&mut RelayWindow::new(url, wait), &search, judge).await
+        });
         let found = guarded(cx, &self.term, probe).await?;
-        match found {
-            Ok(f) => {
-                metrics::counter!(m::SWITCH_PROBES).increment(u64::from(f.probes));
-                tracing::info!(
-                    relay = to.as_str(),
-                    cursor = f.cursor,
-                    probes = f.probes,
-                    probe_ms = f.elapsed.as_millis() as u64,
-                    overlap_ms = overlap,
-                    "switch: found where to resume by time"
-                );
-                Ok(Ok(Some(f.cursor)))
-            }
-            // The window does not hold the whole overlap, but reaches back past the
-            // position (less the clocks' skew): nothing is missing, the overlap is short.
-            Err(ProbeError::Gap { oldest_ms, oldest_seq }) if oldest_ms < at - cx.skew_ms() => {
+        if let Ok(f) = &found {
+            metrics::counter!(m::SWITCH_PROBES).increment(u64::from(f.probes));
+            tracing::info!(
+                relay = to.as_str(),
+                cursor = f.cursor,
+                probes = f.probes,
+                moved_back = f.moved_back,
+                probe_ms = f.elapsed.as_millis() as u64,
+                overlap_ms = overlap,
+                "switch: found where to resume, the events before it shown handed over"
+            );
+        }
+        match continuity::decide(found, at, cx.skew_ms(), opts.gap) {
+            Start::Found(cursor) => Ok(Ok(Some(cursor))),
+            Start::Short { cursor, overlap_ms } => {
                 metrics::counter!(m::SWITCH_OVERLAP_SHORT).increment(1);
                 tracing::warn!(
                     relay = to.as_str(),
-                    cursor = oldest_seq - 1,
-                    overlap_ms = at - oldest_ms,
+                    cursor,
+                    overlap_ms,
                     wanted_ms = overlap,
                     "switch: the relay's window holds less than the overlap but reaches back past the position; \
                      starting at its oldest event"
                 );
-                Ok(Ok(Some(oldest_seq - 1)))
+                Ok(Ok(Some(cursor)))
             }
-            Err(ProbeError::Gap { oldest_ms, oldest_seq }) => {
+            Start::Refused { oldest_ms, oldest_seq } => {
+                Ok(Err(Refusal::Gap { to, needed: rfc3339(at), oldest: rfc3339(oldest_ms), oldest_seq }))
+            }
+            Start::Gap { cursor, oldest_ms } => {
                 let (needed, oldest) = (rfc3339(at), rfc3339(oldest_ms));
-                if opts.gap == GapPolicy::Fail {
-                    return Ok(Err(Refusal::Gap { to, needed, oldest, oldest_seq }));
-                }
                 metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
                 let gap = format!("{} relay: events from {needed} to {oldest} are missing", to.as_str());
                 tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (gap policy `live`) on a relay switch");
                 cx.status.update(|s| s.last_gap = Some(gap));
-                Ok(Ok(Some(oldest_seq - 1)))
+                Ok(Ok(Some(cursor)))
             }
-            Err(source) => Ok(Err(Refusal::Probe { to, source })),
+            Start::Failed(source) => Ok(Err(Refusal::Probe { to, source })),
         }
     }
 
