@@ -213,6 +213,8 @@ pub(crate) struct Verifier {
     lanes: Vec<Mutex<Generations<Last>>>,
     keys: RandomState,
     desync: Arc<Desync>,
+    /// Unresolvable DIDs and how long they have been held (see [`Verifier::key`]).
+    holds: Mutex<HashMap<String, Hold>>,
 }
 
 const HOLD: BackoffConfig = BackoffConfig { initial: Duration::from_millis(250), max: Duration::from_secs(5) };
@@ -231,6 +233,7 @@ impl Verifier {
             lanes: (0..lanes.max(1)).map(|_| Mutex::new(Generations::new(per_lane))).collect(),
             keys: RandomState::new(),
             desync,
+            holds: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -254,6 +257,7 @@ impl Verifier {
                 // repo's next commits do not wait on the directory; one whose signature
                 // fails with the key held asks again and waits).
                 self.resolver.changed(i.did);
+                self.holds.lock().expect("holds").remove(i.did);
                 return Some(Verdict::Valid);
             }
             Message::Commit(c) => (c.repo, c.rev, Some(c.commit.to_string())),
@@ -380,7 +384,11 @@ impl Verifier {
     }
 
     /// The repo's identity, held with backoff while the directory cannot say; `None` when
-    /// the term ended meanwhile.
+    /// the term ended meanwhile. The hold is per DID, not per event: the first event
+    /// waits up to the resolve timeout, later ones only what is left of it; once it ran
+    /// out, the DID's events are `unresolved` at once for [`HOLD_AGAIN`], then one look-up
+    /// (no waiting) says whether it resolves again. A definite answer (not found, no usable
+    /// document) is not held at all.
     async fn key(
         &self,
         did: &str,
@@ -388,20 +396,32 @@ impl Verifier {
         cancel: &CancellationToken,
     ) -> Option<Result<Arc<Identity>, Failure>> {
         let start = Instant::now();
+        let deadline = match self.holds.lock().expect("holds").get(did) {
+            Some(Hold { expired: Some(at), since }) if at.elapsed() < HOLD_AGAIN => {
+                return Some(Err(unresolved(&format!("not resolvable for {:?}", since.elapsed()))));
+            }
+            // The hold ran out a while ago: one look-up, no waiting.
+            Some(Hold { expired: Some(_), .. }) => start,
+            Some(Hold { since, expired: None }) => *since + self.opts.resolve_timeout,
+            None => start + self.opts.resolve_timeout,
+        };
         let mut backoff = Backoff::new(HOLD);
         let mut held = false;
         let out = loop {
             let r = if refresh { self.resolver.refresh(did).await } else { self.resolver.resolve(did).await };
             match r {
-                Ok(id) => break Ok(id),
-                Err(e) if !e.is_transient() => break Err(Failure::new(Reason::Unresolved, e.to_string())),
+                Ok(id) => {
+                    self.holds.lock().expect("holds").remove(did);
+                    break Ok(id);
+                }
+                Err(e) if !e.is_transient() => {
+                    self.holds.lock().expect("holds").remove(did);
+                    break Err(Failure::new(Reason::Unresolved, e.to_string()));
+                }
                 Err(e) => {
-                    let left = self.opts.resolve_timeout.saturating_sub(start.elapsed());
-                    if left.is_zero() {
-                        break Err(Failure::new(
-                            Reason::Unresolved,
-                            format!("{e} (held {:?})", self.opts.resolve_timeout),
-                        ));
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if let Some(f) = self.hold(did, start, left, &e) {
+                        break Err(f);
                     }
                     if !held {
                         held = true;
@@ -424,3 +444,41 @@ impl Verifier {
         Some(out)
     }
 }
+
+impl Verifier {
+    /// Notes that `did` is held (since `start` unless held already); with no time `left`,
+    /// the hold runs out and the failure to hand over is returned.
+    fn hold(&self, did: &str, start: Instant, left: Duration, e: &ResolveError) -> Option<Failure> {
+        let mut holds = self.holds.lock().expect("holds");
+        if left.is_zero() {
+            let since = holds.get(did).map_or(start, |h| h.since);
+            holds.insert(did.to_owned(), Hold { since, expired: Some(Instant::now()) });
+            return Some(unresolved(&format!("{e} (held {:?})", since.elapsed())));
+        }
+        if holds.len() >= HOLDS_MAX {
+            holds.retain(|_, h| h.expired.is_none_or(|at| at.elapsed() < HOLD_AGAIN));
+        }
+        holds.entry(did.to_owned()).or_insert(Hold { since: start, expired: None });
+        None
+    }
+}
+
+/// An `unresolved` failure.
+fn unresolved(detail: &str) -> Failure {
+    Failure::new(Reason::Unresolved, detail.to_owned())
+}
+
+/// A DID whose hold is under way (`expired: None`) or ran out.
+struct Hold {
+    /// When its first event started waiting.
+    since: Instant,
+    /// When the hold ran out.
+    expired: Option<Instant>,
+}
+
+/// After a hold ran out, how long the DID's events are `unresolved` at once before one
+/// look-up asks again.
+const HOLD_AGAIN: Duration = Duration::from_secs(30);
+
+/// DIDs tracked at most while held (beyond it, old expired holds are forgotten).
+const HOLDS_MAX: usize = 100_000;

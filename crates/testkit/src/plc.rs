@@ -26,6 +26,8 @@ pub enum Mode {
 struct State {
     docs: HashMap<String, String>,
     mode: Mode,
+    /// Per path, how long its answer waits.
+    delays: HashMap<String, Duration>,
 }
 
 /// The running directory; stops when dropped.
@@ -41,7 +43,7 @@ impl Plc {
     pub async fn start(docs: HashMap<String, String>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind PLC");
         let addr = listener.local_addr().expect("addr");
-        let state = Arc::new(Mutex::new(State { docs, mode: Mode::Up }));
+        let state = Arc::new(Mutex::new(State { docs, mode: Mode::Up, delays: HashMap::new() }));
         let requests = Arc::new(AtomicU64::new(0));
         let (st, rq) = (state.clone(), requests.clone());
         let task = tokio::spawn(async move {
@@ -54,10 +56,13 @@ impl Plc {
                     while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
                         rq.fetch_add(1, Ordering::SeqCst);
                         let path = line.split_whitespace().nth(1).unwrap_or("/").trim_start_matches('/').to_owned();
-                        let (mode, doc) = {
+                        let (mode, doc, delay) = {
                             let st = st.lock().expect("plc");
-                            (st.mode, st.docs.get(&path).cloned())
+                            (st.mode, st.docs.get(&path).cloned(), st.delays.get(&path).copied())
                         };
+                        if let Some(d) = delay {
+                            tokio::time::sleep(d).await;
+                        }
                         let (status, body) = match mode {
                             Mode::Down => return,
                             Mode::Error => ("500 Internal Server Error", "oops".to_owned()),
@@ -107,6 +112,16 @@ impl Plc {
     /// Sets (or replaces) the document of `did`.
     pub fn set_doc(&self, did: &str, doc: String) {
         self.state.lock().expect("plc").docs.insert(did.to_owned(), doc);
+    }
+
+    /// Makes every answer about `did` (a path) wait `delay` first.
+    pub fn set_delay(&self, did: &str, delay: Duration) {
+        self.state.lock().expect("plc").delays.insert(did.to_owned(), delay);
+    }
+
+    /// Stops serving the document of `did` (404 from now on).
+    pub fn remove_doc(&self, did: &str) {
+        self.state.lock().expect("plc").docs.remove(did);
     }
 
     /// The document of `did`, as served.
