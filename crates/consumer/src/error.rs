@@ -87,6 +87,10 @@ pub enum Fatal {
         /// What failed.
         invalid: Box<crate::verify::Invalid>,
     },
+    /// The sink cannot go on safely (a stream it cannot cut back after a write failed
+    /// part-way): everything before the failed batch was committed.
+    #[error("the sink cannot go on: {0}; everything before the failed batch is committed")]
+    Sink(#[source] crate::handler::HandlerError),
     /// A bug: the watermark refused a delivery (skipping it would lose the event).
     #[error("internal: the watermark refused seq {seq}: {error}")]
     Watermark {

@@ -244,6 +244,16 @@ pub enum HandlerError {
     /// The term ended before the batch was written. Ends the term.
     #[error("term ended before the batch was written")]
     Cancelled,
+    /// The sink cannot go on safely (a stream it cannot repair after a partial write):
+    /// everything before the batch is committed and the consumer stops with this error.
+    #[error("{what}: {source}")]
+    Fatal {
+        /// What was being done.
+        what: String,
+        /// Why it cannot go on.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Anything else: retried with backoff while the term lasts. Keeps its cause.
     #[error("{what}: {source}")]
     Failed {
@@ -259,6 +269,11 @@ impl HandlerError {
     /// A retryable failure of `what`, keeping `source` (an error, or a message) as its cause.
     pub fn failed(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self::Failed { what: what.into(), source: source.into() }
+    }
+
+    /// A failure of `what` the sink cannot recover from, keeping `source` as its cause.
+    pub fn fatal(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Fatal { what: what.into(), source: source.into() }
     }
 }
 

@@ -77,5 +77,5 @@ pub use crate::error::{Error, Fatal};
 pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerError, Pending};
 pub use crate::options::Options;
 pub use crate::run::Consumer;
-pub use crate::status::{Role, Status, StatusHandle};
+pub use crate::status::{Role, SinkFailing, Status, StatusHandle};
 pub use crate::verify::{Invalid, InvalidPolicy, Reason, VerifyMode, VerifyOptions};

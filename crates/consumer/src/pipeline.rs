@@ -16,6 +16,7 @@ use crate::chain::ChainBreaks;
 use crate::continuity::{Key, Memory, Times};
 use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, render};
 use crate::metrics as m;
+use crate::status::StatusHandle;
 use crate::verify::{Invalid, InvalidPolicy, Verdict, Verifier};
 
 /// What a lane reports: the seqs of an accepted batch, or why it stopped.
@@ -63,6 +64,8 @@ pub(crate) struct Shape {
     pub(crate) verifier: Option<Arc<Verifier>>,
     /// What a chain break does (`None`: the chain check is off).
     pub(crate) chain_breaks: Option<ChainBreaks>,
+    /// Where a failing sink is shown.
+    pub(crate) status: StatusHandle,
 }
 
 impl Shape {
@@ -110,6 +113,7 @@ impl Pipeline {
                 verifier: shape.verifier.clone(),
                 memory: shape.verifier.as_ref().and(memory.cloned()),
                 chain_breaks: shape.chain_breaks,
+                status: shape.status.clone(),
             };
             tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
         }
@@ -220,6 +224,7 @@ struct Lane {
     /// With a verifier: the term's memory, which takes an event only once it verified.
     memory: Option<Arc<Memory>>,
     chain_breaks: Option<ChainBreaks>,
+    status: StatusHandle,
 }
 
 /// A submitted batch whose write is not yet durable.
@@ -339,6 +344,7 @@ impl Lane {
         };
         match r {
             Ok(()) => {
+                self.status.sink_ok();
                 f.seqs.extend(f.batch.iter().map(Event::seq));
                 let _ = done.send(Ok(f.seqs));
                 true
@@ -381,6 +387,7 @@ impl Lane {
     /// term ends first).
     async fn back_off(&self, e: &HandlerError, backoff: &mut Backoff, events: usize) -> Result<(), HandlerError> {
         metrics::counter!(m::SINK_ERRORS).increment(1);
+        self.status.sink_failed(&e.to_string());
         let delay = backoff.next_delay();
         tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, events, "sink write failed; retrying");
         tokio::select! {

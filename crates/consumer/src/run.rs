@@ -94,6 +94,7 @@ impl Consumer {
             render,
             verifier,
             chain_breaks: (settings.options.chain_repos > 0).then_some(settings.options.chain_breaks),
+            status: status.clone(),
         };
         let cx = Ctx {
             settings: &settings,

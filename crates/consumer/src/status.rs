@@ -84,6 +84,19 @@ pub struct Status {
     /// Repos marked desynchronised by an invalid event (list them with
     /// [`StatusHandle::desynchronized`]).
     pub desynchronized: usize,
+    /// The sink's writes are failing (and retried): not ready while set.
+    pub sink_failing: Option<SinkFailing>,
+}
+
+/// A sink whose writes keep failing.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SinkFailing {
+    /// The last error.
+    pub error: String,
+    /// Since when (RFC 3339).
+    pub since: String,
+    /// Failed writes since then.
+    pub failures: u64,
 }
 
 /// The shared status of one consumer: cheap to clone, read from any task.
@@ -97,6 +110,7 @@ struct Inner {
     events: AtomicU64,
     ready: AtomicBool,
     refused: AtomicBool,
+    sink_failing: AtomicBool,
     desync: Arc<crate::verify::Desync>,
 }
 
@@ -108,6 +122,7 @@ impl Default for StatusHandle {
             events: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             refused: AtomicBool::new(false),
+            sink_failing: AtomicBool::new(false),
             desync: Arc::default(),
         }))
     }
@@ -134,11 +149,39 @@ impl StatusHandle {
         self.0.status.subscribe()
     }
 
-    /// True once the consumer contends for the lease, and no refused relay switch holds
-    /// it on a relay that does not answer (`/readyz`).
+    /// True once the consumer contends for the lease, no refused relay switch holds it on
+    /// a relay that does not answer, and the sink's writes are not failing (`/readyz`).
     #[must_use]
     pub fn is_ready(&self) -> bool {
-        self.0.ready.load(Ordering::Relaxed) && !self.0.refused.load(Ordering::Relaxed)
+        self.0.ready.load(Ordering::Relaxed)
+            && !self.0.refused.load(Ordering::Relaxed)
+            && !self.0.sink_failing.load(Ordering::Relaxed)
+    }
+
+    /// A sink write failed (it is retried): shown in `/status`, not ready meanwhile.
+    pub(crate) fn sink_failed(&self, error: &str) {
+        self.0.sink_failing.store(true, Ordering::Relaxed);
+        self.update(|s| {
+            let f = s.sink_failing.get_or_insert_with(|| SinkFailing {
+                since: time::OffsetDateTime::now_utc()
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .unwrap_or_default(),
+                ..SinkFailing::default()
+            });
+            error.clone_into(&mut f.error);
+            f.failures += 1;
+        });
+    }
+
+    /// A sink write succeeded: a failure shown is over.
+    pub(crate) fn sink_ok(&self) {
+        if self.0.sink_failing.swap(false, Ordering::Relaxed) {
+            let mut was = None;
+            self.update(|s| was = s.sink_failing.take());
+            if let Some(f) = was {
+                tracing::info!(since = %f.since, failures = f.failures, "sink writes succeed again");
+            }
+        }
     }
 
     /// The repos an invalid event marked desynchronised, until a valid `#sync` or a

@@ -116,3 +116,42 @@ async fn commits_keep_up_while_the_stream_is_busy() {
     c.stop().await;
     assert!(committed_mid_stream, "no commit landed while the first half of the stream was being handled");
 }
+
+/// Takes batches of 10 until seq `fatal_at` is in one: that batch ends in a fatal error
+/// (a stream the sink cannot cut back after a partial write).
+struct BrokenAt {
+    fatal_at: u64,
+    took: std::sync::Mutex<Vec<u64>>,
+}
+
+#[async_trait]
+impl Handler for BrokenAt {
+    async fn handle(&self, batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        if batch.iter().any(|e| e.seq() == self.fatal_at) {
+            return Err(HandlerError::fatal("test sink", "half a batch written to a pipe"));
+        }
+        self.took.lock().expect("took").extend(batch.iter().map(Event::seq));
+        Ok(())
+    }
+
+    fn max_batch(&self) -> usize {
+        10
+    }
+}
+
+/// A fatal sink error stops the consumer with an error naming it, everything before the
+/// failed batch committed and nothing after it (a retry would tear the output; a
+/// standby's retry would too, so the process stops instead of standing by).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_sink_error_commits_what_came_before_and_stops() {
+    let h = Arc::new(BrokenAt { fatal_at: 500, took: std::sync::Mutex::new(Vec::new()) });
+    let options = Options { lanes: 1, commit_interval: Duration::from_millis(20), ..Options::default() };
+    let c = local::Local::start(testkit::fixture_frames(), h.clone(), options, "fatal-sink").await;
+    let err = tokio::time::timeout(testkit::WAIT, c.run).await.expect("stops").expect("join").expect_err("an error");
+    assert!(err.to_string().contains("half a batch written to a pipe"), "{err}");
+    let took = h.took.lock().expect("took").clone();
+    let last = *took.last().expect("batches before it");
+    assert!(last < 500 && took.len() as u64 == last, "everything before the failed batch, in order");
+    let store_cursor = c.status.snapshot().committed.expect("committed");
+    assert_eq!(store_cursor, last, "committed up to just before the failed batch");
+}

@@ -4,12 +4,13 @@
 //! any wait for a lock, before a request or a `COMMIT`), so a process that froze or
 //! waited past its deadline writes nothing.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use checkpoint::{CommitOutcome, PostgresStore};
 use consumer::{BatchCtx, Event, Handler, HandlerError};
-use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex;
 
 pub mod jetstream;
@@ -76,44 +77,115 @@ fn lines(batch: &[Event], ctx: &BatchCtx) -> String {
     buf
 }
 
-/// One JSON line per event, to stdout or a file (appended).
-pub struct Jsonl(Mutex<BufWriter<Box<dyn AsyncWrite + Unpin + Send>>>);
+/// One JSON line per event, to stdout or a file (appended). A batch counts only once it
+/// is wholly written: to a regular file (a path, or stdout redirected to one), a write
+/// that fails part-way (a full disk) is cut off again before the batch is retried, so no
+/// torn line and no half batch stays behind; to a stream that cannot be cut (a pipe, a
+/// terminal), a write that fails part-way stops the consumer with an error.
+pub struct Jsonl(Mutex<Output>);
+
+/// Where the lines go.
+enum Output {
+    /// A regular file: appended to, cut back on a failed write.
+    File(Arc<std::fs::File>),
+    /// A stream that cannot be cut.
+    Stream(Box<dyn AsyncWrite + Unpin + Send>),
+}
 
 impl Jsonl {
-    /// Lines on stdout.
+    /// Lines on stdout (cut back on failure when stdout is a regular file).
     #[must_use]
     pub fn stdout() -> Self {
-        Self::to(Box::new(tokio::io::stdout()))
+        use std::os::fd::AsFd as _;
+        let file = std::io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .ok()
+            .map(std::fs::File::from)
+            .filter(|f| f.metadata().is_ok_and(|m| m.is_file()));
+        match file {
+            Some(f) => Self(Mutex::new(Output::File(Arc::new(f)))),
+            None => Self::to(Box::new(tokio::io::stdout())),
+        }
     }
 
-    /// Lines appended to `path`.
+    /// Lines appended to `path` (a regular file is cut back on failure; anything else, a
+    /// FIFO say, is a stream).
     pub async fn open(path: &str) -> Result<Self, OpenError> {
-        let f = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
+        let p = path.to_owned();
+        let f = tokio::task::spawn_blocking(move || std::fs::OpenOptions::new().create(true).append(true).open(p))
             .await
+            .map_err(|e| OpenError::File { path: path.to_owned(), source: std::io::Error::other(e) })?
             .map_err(|source| OpenError::File { path: path.to_owned(), source })?;
-        Ok(Self::to(Box::new(f)))
+        if f.metadata().is_ok_and(|m| m.is_file()) {
+            Ok(Self(Mutex::new(Output::File(Arc::new(f)))))
+        } else {
+            Ok(Self::to(Box::new(tokio::fs::File::from_std(f))))
+        }
     }
 
-    /// Lines to any writer.
+    /// Lines to any writer (a stream: a write that fails part-way is fatal).
     #[must_use]
     pub fn to(w: Box<dyn AsyncWrite + Unpin + Send>) -> Self {
-        Self(Mutex::new(BufWriter::new(w)))
+        Self(Mutex::new(Output::Stream(w)))
     }
+}
+
+/// Appends `buf` to `f` whole, or leaves `f` as it was: a write that fails part-way is cut
+/// off again (the error is then retryable); one that cannot be cut off is fatal.
+fn append_whole(f: &std::fs::File, buf: &[u8]) -> Result<(), HandlerError> {
+    use std::io::{Seek as _, SeekFrom, Write as _};
+    let mut f = f;
+    let start = f.seek(SeekFrom::End(0)).map_err(|e| HandlerError::failed("jsonl write", e))?;
+    let Err(e) = f.write_all(buf) else { return Ok(()) };
+    match f.set_len(start).and_then(|()| f.seek(SeekFrom::Start(start)).map(|_| ())) {
+        Ok(()) => Err(HandlerError::failed("jsonl write", e)),
+        Err(cut) => Err(HandlerError::fatal(
+            "jsonl write",
+            format!("{e}; and the part written could not be cut off again ({cut}): the file ends in a torn line"),
+        )),
+    }
+}
+
+/// Writes `buf` to a stream: nothing written is retryable; part written is fatal (a
+/// stream cannot be cut back, and a retry would leave a torn line before the batch).
+async fn write_stream(w: &mut (dyn AsyncWrite + Unpin + Send), buf: &[u8]) -> Result<(), HandlerError> {
+    let mut done = 0;
+    while done < buf.len() {
+        match w.write(&buf[done..]).await {
+            Ok(0) => return Err(torn(done, buf.len(), std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => done += n,
+            Err(e) if done == 0 => return Err(HandlerError::failed("jsonl write", e)),
+            Err(e) => return Err(torn(done, buf.len(), e)),
+        }
+    }
+    w.flush().await.map_err(|e| HandlerError::fatal("jsonl flush", e))
+}
+
+fn torn(done: usize, of: usize, e: std::io::Error) -> HandlerError {
+    HandlerError::fatal(
+        "jsonl write",
+        format!("{e} after {done} of {of} bytes of a batch; the output is a stream that cannot be cut back"),
+    )
 }
 
 #[async_trait]
 impl Handler for Jsonl {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
         let buf = lines(batch, ctx);
-        let mut w = self.0.lock().await;
+        let mut out = self.0.lock().await;
         // Waiting for the lock may have outlasted the term (another lane was writing, or
         // the process was frozen).
         ctx.ensure_active()?;
-        w.write_all(buf.as_bytes()).await.map_err(|e| HandlerError::failed("jsonl write", e))?;
-        w.flush().await.map_err(|e| HandlerError::failed("jsonl flush", e))
+        match &mut *out {
+            Output::File(f) => {
+                let f = f.clone();
+                tokio::task::spawn_blocking(move || append_whole(&f, buf.as_bytes()))
+                    .await
+                    .map_err(|e| HandlerError::failed("jsonl write", e))?
+            }
+            Output::Stream(w) => write_stream(w.as_mut(), buf.as_bytes()).await,
+        }
     }
 
     fn wants_json(&self) -> bool {

@@ -81,6 +81,58 @@ async fn a_failing_jsonl_destination_fails_every_batch() {
     h.abandon().await;
 }
 
+/// A stream that takes `room` bytes, then fails as a full disk does.
+struct Filling {
+    room: usize,
+    got: Vec<u8>,
+}
+
+impl AsyncWrite for Filling {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let n = buf.len().min(self.room - self.got.len());
+        if n == 0 {
+            return std::task::Poll::Ready(Err(std::io::Error::from_raw_os_error(28)));
+        }
+        self.got.extend_from_slice(&buf[..n]);
+        std::task::Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// A stream that cannot be cut back (a pipe): a batch that fails after part of it was
+/// written stops the consumer (a retry would leave a torn line before the batch); one
+/// that fails before a byte is written is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_fails_part_way_through_a_batch_is_fatal_and_one_that_fails_at_once_is_retried() {
+    let dir = testkit::tmpdir("sink-stream-full");
+    let (h, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let full = Jsonl::to(Box::new(Filling { room: 0, got: Vec::new() }));
+    let r = full.handle(&events(3), &ctx).await;
+    assert!(matches!(r, Err(HandlerError::Failed { .. })), "nothing written: retried: {r:?}");
+    let part = Jsonl::to(Box::new(Filling { room: 100, got: Vec::new() }));
+    let r = part.handle(&events(3), &ctx).await;
+    assert!(matches!(&r, Err(HandlerError::Fatal { .. })), "part written: fatal: {r:?}");
+    assert!(r.expect_err("fatal").to_string().contains("after 100 of"), "says how much was written");
+    h.abandon().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_webhook_request_is_sent_after_the_deadline() {
     let dir = testkit::tmpdir("sink-hook");

@@ -6,6 +6,8 @@ use std::time::Duration;
 use super::commit::{Commit, commit};
 use super::{Leader, Step, TermEnd, guarded};
 use crate::error::Fatal;
+use crate::handler::HandlerError;
+use crate::pipeline::LaneStop;
 use crate::status::Role;
 
 impl Leader<'_, '_> {
@@ -14,6 +16,7 @@ impl Leader<'_, '_> {
     pub(super) async fn settle(&mut self) -> Result<(), Step> {
         match guarded(self.cx, &self.term, self.p.drain()).await {
             Ok(Ok(())) => {}
+            Ok(Err(LaneStop::Handler(e @ HandlerError::Fatal { .. }))) => return Err(self.stop(Fatal::Sink(e)).await),
             Ok(Err(_)) => return Err(Step::End(TermEnd::Lost)),
             Err(i) => return Err(i.into()),
         }
@@ -24,11 +27,10 @@ impl Leader<'_, '_> {
         Ok(())
     }
 
-    /// An event failed verification under the `fail` policy: take in what the other
-    /// lanes finish, commit up to just before it, and end the term with an
-    /// operator-facing error.
-    pub(super) async fn stop_at_invalid(&mut self, (seq, invalid): (u64, crate::verify::Invalid)) -> Step {
-        let e = Fatal::Invalid { seq, invalid: Box::new(invalid) };
+    /// A lane stopped for good (an event failed verification under the `fail` policy, or
+    /// the sink cannot go on): take in what the other lanes finish, commit up to just
+    /// before what it did not hand over, and end the term with an operator-facing error.
+    pub(super) async fn stop(&mut self, e: Fatal) -> Step {
         tracing::error!(error = %e, "stopping: this needs an operator");
         self.sub.close().await;
         if let Err(i) = guarded(self.cx, &self.term, self.p.wind_down()).await {

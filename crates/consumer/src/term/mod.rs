@@ -44,7 +44,7 @@ use tracing::Instrument;
 use crate::builder::Settings;
 use crate::continuity::{Memory, Overlap};
 use crate::error::Fatal;
-use crate::handler::{BatchCtx, Handler};
+use crate::handler::{BatchCtx, Handler, HandlerError};
 use crate::pipeline::{LaneStop, Pipeline, Shape};
 use crate::status::StatusHandle;
 
@@ -270,7 +270,11 @@ impl Leader<'_, '_> {
                 out = commit::landed(&mut self.flight) => self.on_landed(out),
                 Some(r) = self.p.done.recv() => match self.p.on_done(r) {
                     Ok(()) => Step::Next,
-                    Err(LaneStop::Invalid(stop)) => self.stop_at_invalid(*stop).await,
+                    Err(LaneStop::Invalid(stop)) => {
+                        let (seq, invalid) = *stop;
+                        self.stop(Fatal::Invalid { seq, invalid: Box::new(invalid) }).await
+                    }
+                    Err(LaneStop::Handler(e @ HandlerError::Fatal { .. })) => self.stop(Fatal::Sink(e)).await,
                     Err(LaneStop::Handler(_)) => Step::End(TermEnd::Lost),
                 },
                 item = self.sub.next(), if has_room => self.on_item(item).await,
