@@ -28,6 +28,10 @@ pub fn advice(e: &anyhow::Error) -> Option<String> {
             "set the cursor with `firekeeper cursor set --relay {role} <seq>` (the live head to accept the gap), \
              then restart"
         ),
+        Fatal::CursorCorrupt { role, .. } => format!(
+            "set the cursor with `firekeeper cursor set --relay {role} <seq>` (the seq of the last event your \
+             downstream has), then restart"
+        ),
         Fatal::LegacyAmbiguous(s) => return store(s),
         Fatal::Invalid { .. } => {
             "FIREKEEPER_INVALID=mark hands invalid events to the sink as `#invalid` and goes on".to_owned()

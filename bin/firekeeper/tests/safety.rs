@@ -445,3 +445,74 @@ async fn sigterm_during_a_relay_switch_with_a_stuck_sink_still_exits_within_the_
     assert!(log.contains("drain exceeded"), "{log}");
     assert!(cursor_shown(&env).ends_with("cursor 0"), "nothing was acknowledged");
 }
+
+/// The cursor file of the only relay in `data`.
+fn cursor_file(dir: &Path) -> PathBuf {
+    let cursors = dir.join("data").join("cursors");
+    std::fs::read_dir(&cursors)
+        .expect("cursors")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cursor-")))
+        .expect("a cursor file")
+}
+
+/// Issue 33: a cursor that cannot be read was taken for missing, and in the first term
+/// missing meant "start at the live tail" (`cursor set 100`, then `echo 120 >` the file:
+/// about 19,200 events skipped, exit 0). Surrounding whitespace is not corruption; a
+/// value that is not a cursor refuses to start, in any term, naming where it is kept and
+/// the command that fixes it, and nothing is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_file_with_a_newline_is_read_and_one_that_is_not_a_cursor_refuses_to_start() {
+    let relay = sim(None).await;
+    let dir = tmpdir("corrupt-file");
+    let mut env = base_env(&relay.url(), &dir);
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    assert!(run_once(&env, &["cursor", "set", "100"]).status.success());
+    let file = cursor_file(&dir);
+    std::fs::write(&file, "120\n").expect("edit");
+    let a = firekeeper(&env, &[], &dir.join("a.log"));
+    eventually("every event after 120", WAIT, async || seqs_in(&out).len() as u64 == TOTAL - 120).await;
+    assert!(sigterm_and_wait(a).success());
+    assert_eq!(seqs_in(&out).first(), Some(&121), "resumed right after the edited cursor");
+    std::fs::write(&file, "abc").expect("corrupt");
+    std::fs::remove_file(&out).expect("clear");
+    let b = firekeeper(&env, &[], &dir.join("b.log"));
+    let status = tokio::task::spawn_blocking(move || wait_exit(b)).await.expect("join");
+    let log = log_of(&dir, "b.log");
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("is not a cursor") && log.contains(&file.to_string_lossy().into_owned()),
+        "names the file:\n{log}"
+    );
+    assert!(log.contains("firekeeper cursor set --relay primary"), "names the command:\n{log}");
+    assert!(seqs_in(&out).is_empty(), "nothing was handed over");
+    assert_eq!(std::fs::read_to_string(&file).expect("read"), "abc", "nothing was committed over it");
+}
+
+/// The same on Redis, in the deployment's very first term (token 1): a cursor key set to
+/// `abc` refuses to start instead of starting at the live tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_redis_cursor_in_the_first_term_refuses_to_start() {
+    let redis = RedisServer::start();
+    let relay = sim(None).await;
+    let dir = tmpdir("corrupt-redis");
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("REDIS_URL".into(), redis.url());
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
+    let key = format!("{{firekeeper}}:cursor:{fp}");
+    let mut admin = redis.admin();
+    let _: () = redis::cmd("SET").arg(&key).arg("abc").query(&mut admin).expect("set");
+    let a = firekeeper(&env, &[], &dir.join("a.log"));
+    let status = tokio::task::spawn_blocking(move || wait_exit(a)).await.expect("join");
+    let log = log_of(&dir, "a.log");
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains(&key), "names the key:\n{log}");
+    assert!(log.contains("firekeeper cursor set --relay primary"), "names the command:\n{log}");
+    assert!(seqs_in(&out).is_empty(), "nothing from the live tail");
+    let stored: String = redis::cmd("GET").arg(&key).query(&mut admin).expect("get");
+    assert_eq!(stored, "abc");
+}

@@ -20,8 +20,9 @@ pub enum ReadOutcome {
     Found(u64),
     /// Nothing stored for this relay.
     Missing,
-    /// Something that is not a cursor; callers log it and treat it as missing. Holds a
-    /// short, escaped preview of the value (never more than 32 characters).
+    /// Something that is not a cursor: never taken for missing (a leader refuses to start
+    /// on it and names the key). Holds a short, escaped preview of the value (never more
+    /// than 32 characters).
     Corrupt(String),
 }
 
@@ -69,9 +70,10 @@ pub enum StoreError {
 }
 
 /// Parses a stored cursor: a decimal non-negative integer ≤ 2^53-1, no sign, no leading
-/// zeros, no whitespace.
+/// zeros; surrounding whitespace (an editor's newline) is not part of it.
 #[must_use]
 pub fn parse(raw: &[u8]) -> Option<u64> {
+    let raw = raw.trim_ascii();
     let ok =
         !raw.is_empty() && raw.len() <= 16 && raw.iter().all(u8::is_ascii_digit) && (raw == b"0" || raw[0] != b'0');
     if !ok {
@@ -109,12 +111,14 @@ mod tests {
     fn only_canonical_decimals_in_range_are_cursors() {
         assert_eq!(parse(b"0"), Some(0));
         assert_eq!(parse(b"9007199254740991"), Some(MAX_SEQ));
+        assert_eq!(parse(b"120\n"), Some(120), "an editor's newline is not corruption");
+        assert_eq!(parse(b" \t7\r\n"), Some(7));
         for bad in [
             &b""[..],
+            b" ",
             b"-1",
             b"01",
-            b" 1",
-            b"1 ",
+            b"1 2",
             b"1e3",
             b"9007199254740992",
             b"99999999999999999999",

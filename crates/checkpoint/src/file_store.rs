@@ -124,7 +124,7 @@ impl Files {
             Ok(b) => {
                 let out = cursor::classify(Some(&b));
                 if let ReadOutcome::Corrupt(v) = &out {
-                    tracing::error!(relay = fingerprint, value = %v, "stored cursor is corrupt; treating it as missing");
+                    tracing::error!(relay = fingerprint, value = %v, "stored cursor is corrupt");
                 }
                 Ok(out)
             }
@@ -203,6 +203,10 @@ impl Files {
 impl crate::CursorStore for FileStore {
     fn name(&self) -> &'static str {
         "file"
+    }
+
+    fn cursor_key(&self, fingerprint: &str) -> String {
+        format!("the file {}", self.files.path(fingerprint).display())
     }
 
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {

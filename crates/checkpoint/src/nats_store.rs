@@ -261,6 +261,10 @@ impl crate::CursorStore for NatsStore {
         "nats"
     }
 
+    fn cursor_key(&self, fingerprint: &str) -> String {
+        format!("key {} of the NATS KV bucket {}", Self::key(fingerprint), self.state.name())
+    }
+
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
         match self.entry(Self::key(fingerprint)).await? {
             None => Ok(ReadOutcome::Missing),

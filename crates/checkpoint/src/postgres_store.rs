@@ -296,6 +296,10 @@ impl crate::CursorStore for PostgresStore {
         "postgres"
     }
 
+    fn cursor_key(&self, fingerprint: &str) -> String {
+        format!("the row of firekeeper_cursors where relay = '{fingerprint}'")
+    }
+
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
         Self::read(self, fingerprint).await
     }

@@ -159,7 +159,7 @@ impl RedisStore {
             .map_err(err)?;
         let out = cursor::classify(raw.as_deref());
         if let ReadOutcome::Corrupt(p) = &out {
-            tracing::error!(relay = fingerprint, value = %p, "stored cursor is corrupt; treating it as missing");
+            tracing::error!(relay = fingerprint, value = %p, "stored cursor is corrupt");
         }
         Ok(out)
     }
@@ -362,6 +362,10 @@ pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(P
 impl crate::CursorStore for RedisStore {
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn cursor_key(&self, fingerprint: &str) -> String {
+        format!("the Redis key {}", self.keys.cursor(fingerprint))
     }
 
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {

@@ -77,6 +77,11 @@ pub trait CursorStore: Send + Sync + 'static {
     /// A relay's cursor. `Unavailable` is an error, never a guess.
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError>;
 
+    /// Where a relay's cursor is kept, for an operator: a key, a path, a row.
+    fn cursor_key(&self, fingerprint: &str) -> String {
+        fingerprint.to_owned()
+    }
+
     /// The one fenced change to a relay's cursor: an advance (monotonic, keeping the
     /// relay time and recording the relay as the one the leader is on) or a rewind.
     /// Refused with `Fenced` unless `fence` is the current term.

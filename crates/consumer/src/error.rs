@@ -52,6 +52,22 @@ pub enum Fatal {
         /// This term's token.
         token: u64,
     },
+    /// The stored cursor is not a cursor.
+    #[error(
+        "the stored cursor of the {role} relay, in {key}, is not a cursor ({value:?}): refusing to start rather than \
+         guess where to resume{}. Set the cursor, then restart",
+        .remembered.map(|c| format!(" (this process last saw {c} committed)")).unwrap_or_default()
+    )]
+    CursorCorrupt {
+        /// Which relay.
+        role: RelayRole,
+        /// Where it is kept.
+        key: String,
+        /// A short, escaped preview of what is stored.
+        value: String,
+        /// The last commit this process saw for it, if any.
+        remembered: Option<u64>,
+    },
     /// Reading a cursor failed with something other than unavailability.
     #[error("reading the {role} cursor: {source}")]
     ReadCursor {

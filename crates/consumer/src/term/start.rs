@@ -32,9 +32,19 @@ pub(super) async fn resume_point(
             tracing::info!(relay = role.as_str(), cursor = c, "resuming from stored cursor");
             Ok(Some(c))
         }
+        // Something that is not a cursor is never "missing": where it should resume is
+        // unknown, and guessing would skip or replay. An operator sets it.
+        (ReadOutcome::Corrupt(value), remembered) if at_term_start => {
+            Err(Fatal::CursorCorrupt { role, key: cx.store.cursor_key(fp), value, remembered }.into())
+        }
+        // On a switch the target's stored cursor is only a shortcut: the search places it.
+        (ReadOutcome::Corrupt(value), _) => {
+            tracing::error!(relay = role.as_str(), key = %cx.store.cursor_key(fp), %value, "stored cursor is not a cursor: finding the start by content instead");
+            Ok(None)
+        }
         // A lower stored value may be an operator's rewind and is honoured; a missing one
         // after this process saw a commit means the store lost data.
-        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), Some(mine)) => {
+        (ReadOutcome::Missing, Some(mine)) => {
             tracing::error!(
                 relay = role.as_str(),
                 committed_here = mine,
@@ -45,10 +55,10 @@ pub(super) async fn resume_point(
         // Token 1 is the first term this lease store ever issued: a fresh deployment. A
         // later token means some term ran before and (very likely) committed: the store
         // lost the cursor, and the live tail would skip everything in between.
-        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) if at_term_start && term.token() > 1 => {
+        (ReadOutcome::Missing, None) if at_term_start && term.token() > 1 => {
             Err(Fatal::CursorLost { role, fingerprint: fp.to_owned(), token: term.token() }.into())
         }
-        (ReadOutcome::Missing | ReadOutcome::Corrupt(_), None) => {
+        (ReadOutcome::Missing, None) => {
             tracing::warn!(
                 relay = role.as_str(),
                 token = term.token(),
