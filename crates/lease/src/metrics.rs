@@ -52,6 +52,8 @@ pub const RENEW_SECONDS: &str = "firekeeper_lease_renew_seconds";
 pub const RETAKES: &str = "firekeeper_lease_retakes_total";
 /// Failed renewals.
 pub const RENEW_ERRORS: &str = "firekeeper_lease_renew_errors_total";
+/// Lease keys this process released after losing their term (a late renewal).
+pub const STALE_RELEASES: &str = "firekeeper_lease_stale_releases_total";
 
 /// The lease's metrics.
 pub const ALL: &[Metric] = &[
@@ -71,6 +73,12 @@ pub const ALL: &[Metric] = &[
         name: RETAKES,
         kind: MetricKind::Counter,
         help: "vanished lease keys retaken with the same token",
+        labels: &[],
+    },
+    Metric {
+        name: STALE_RELEASES,
+        kind: MetricKind::Counter,
+        help: "lease keys released by the process they named after it lost their term (a renewal that landed late)",
         labels: &[],
     },
     Metric { name: RENEW_SECONDS, kind: MetricKind::Histogram, help: "lease renewal round trips", labels: &[] },

@@ -505,6 +505,15 @@ impl Supervisor {
                     }
                     return Some(self.new_term(token, sent));
                 }
+                Ok(Some(Acquire::Held { holder, .. })) if self.is_own(&holder) => {
+                    warned = false;
+                    // This process holds no term: the key is left over from one it lost
+                    // (a renewal that landed after the deadline). Take it back now, or
+                    // every standby waits out its ttl with nobody leading.
+                    if self.release_own(&holder).await {
+                        continue;
+                    }
+                }
                 Ok(Some(Acquire::Held { holder, expires_in })) => {
                     warned = false;
                     self.on_held(&holder, expires_in);
@@ -535,18 +544,46 @@ impl Supervisor {
         }
     }
 
+    /// True when `holder` (`<instance>:<token>`) is this process.
+    fn is_own(&self, holder: &str) -> bool {
+        crate::backend::parse_holder(holder).is_some_and(|(i, _)| i == &*self.instance)
+    }
+
+    /// Releases a key this process holds without a term; true when it was released.
+    async fn release_own(&mut self, holder: &str) -> bool {
+        match self.call(self.backend.release(&self.instance)).await {
+            Ok(released) => {
+                if released {
+                    metrics::counter!(crate::metrics::STALE_RELEASES).increment(1);
+                    tracing::warn!(
+                        holder,
+                        "the lease key held this process's value from a term it lost (a renewal that landed after the deadline): released it"
+                    );
+                }
+                self.not_before = None;
+                released
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, holder, "could not release a lease key left over from a lost term; retrying");
+                false
+            }
+        }
+    }
+
     /// A read-only look at the store while an observed holder may still lead: a holder
     /// still there extends the wait; none means waiting out the observed expiry.
     async fn observe(&mut self) -> Result<(), BackendError> {
         let snap = self.call(self.backend.snapshot()).await?;
         self.seen = self.seen.max(snap.fence);
-        if let Some(holder) = snap.holder {
-            self.on_held(&holder, snap.ttl);
-        } else {
-            tracing::warn!(
+        match snap.holder {
+            Some(own) if self.is_own(&own) => {
+                self.release_own(&own).await;
+            }
+            Some(holder) => self.on_held(&holder, snap.ttl),
+            None => tracing::warn!(
                 wait_ms = self.not_before.map_or(0, |nb| nb.saturating_sub(self.clock.now()).as_millis() as u64),
                 "the lease key vanished before the holder last seen could have expired; waiting out its ttl"
-            );
+            ),
         }
         Ok(())
     }

@@ -417,3 +417,42 @@ async fn prefixes_that_would_share_buckets_are_refused() {
     let e = dot.acquire("b", Duration::from_secs(5), 0).await.expect_err("refused").to_string();
     assert!(e.contains("prod.eu") && e.contains("prefix"), "{e}");
 }
+
+/// The Redis suite's late-renewal scenario on NATS: the leader is cut off until it loses
+/// its term, then its renewal lands (the key set again to its value, living a whole
+/// ttl). A process that holds no term but finds its own value on the key takes it back
+/// once the store answers: someone leads at once, not a ttl later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once() {
+    let server = NatsServer::start();
+    let proxy = TcpProxy::start(server.addr()).await;
+    let six = |prefix: &str| LeaseConfig {
+        poll: Duration::from_millis(200),
+        key_prefix: prefix.to_owned(),
+        ..LeaseConfig::from_ttl(Duration::from_secs(6))
+    };
+    let mut a = node_with(&format!("nats://{}", proxy.addr()), six("late"), "a").await;
+    let ta = elected(&mut a).await;
+    let mut b = node_with(&server.url(), six("late"), "b").await;
+    sleep(Duration::from_millis(300)).await;
+    proxy.set_cut(true);
+    match next_event(&mut a).await {
+        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
+        e => panic!("{e:?}"),
+    }
+    drop(ta);
+    // The renewal a sent before its deadline lands now.
+    let admin = nats(&server.url(), Duration::from_secs(5)).await;
+    let kv = admin.jetstream().get_key_value("late-lease").await.expect("bucket");
+    kv.put("leader", "a:1".into()).await.expect("put");
+    proxy.set_cut(false);
+    let back = Instant::now();
+    let winner = tokio::select! {
+        e = next_event(&mut b) => ("b", e),
+        e = next_event(&mut a) => ("a", e),
+    };
+    let took = back.elapsed();
+    assert!(matches!(winner.1, LeaseEvent::Elected(_)), "{winner:?}");
+    eprintln!("{} was elected {took:?} after the store answered the old leader again", winner.0);
+    assert!(took < Duration::from_secs(3), "{took:?}: the late renewal kept the key for another ttl");
+}

@@ -423,3 +423,49 @@ async fn a_counter_behind_our_token_is_retaken_and_raised_so_the_token_is_never_
     let _: () = redis::cmd("DEL").arg("{behind}:lease").query(&mut admin).expect("del");
     assert_eq!(b.renew("a", 11, Duration::from_secs(5)).await.expect("renew"), Renew::Fenced { fence: Some(12) });
 }
+
+/// Issue 33: a 6 s Redis stall. The renewal the leader sent during the stall ran when
+/// the store answered again, after the leader had already stepped down at its deadline,
+/// and set the key for a whole ttl: the standbys waited another ttl with nobody leading
+/// (16 s without progress). Here the leader is cut off from Redis until it loses its
+/// term, and its late renewal is made to land (the key set again to its value, with a
+/// full ttl). A process that holds no term but finds its own value on the key takes it
+/// back as soon as the store answers it: someone leads at once, not a ttl later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once() {
+    let redis = RedisServer::start();
+    let proxy = TcpProxy::start(redis.addr()).await;
+    let node6 = |url: &str, name: &str| {
+        let c = LeaseConfig {
+            poll: Duration::from_millis(200),
+            key_prefix: "late".to_owned(),
+            ..LeaseConfig::from_ttl(Duration::from_secs(6))
+        };
+        let backend = Arc::new(RedisBackend::new(url, "late", c.op_timeout).expect("backend"));
+        let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
+        Node { handle, events, backend }
+    };
+    let mut a = node6(&proxy.redis_url(), "a");
+    let ta = elected(&mut a).await;
+    let mut b = node6(&redis.url(), "b");
+    sleep(Duration::from_millis(300)).await;
+    proxy.set_cut(true);
+    match next_event(&mut a).await {
+        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
+        e => panic!("{e:?}"),
+    }
+    drop(ta);
+    // The renewal a sent before its deadline lands now.
+    let mut admin = redis.admin();
+    let _: () = redis::cmd("SET").arg("{late}:lease").arg("a:1").arg("PX").arg(6000).query(&mut admin).expect("set");
+    proxy.set_cut(false);
+    let back = Instant::now();
+    let winner = tokio::select! {
+        e = next_event(&mut b) => ("b", e),
+        e = next_event(&mut a) => ("a", e),
+    };
+    let took = back.elapsed();
+    assert!(matches!(winner.1, LeaseEvent::Elected(_)), "{winner:?}");
+    eprintln!("{} was elected {took:?} after the store answered the old leader again", winner.0);
+    assert!(took < Duration::from_secs(3), "{took:?}: the late renewal kept the key for another ttl");
+}
