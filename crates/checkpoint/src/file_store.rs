@@ -151,6 +151,43 @@ impl Files {
         Ok(Some(CommitOutcome::Fenced { current }))
     }
 
+    /// The repo log: one line per change, `<did>\t<value>` (empty: cleared), the last
+    /// line of a DID winning.
+    fn repos_path(&self) -> PathBuf {
+        self.dir.join("repos.log")
+    }
+
+    fn read_repos(&self) -> Result<(Vec<(String, String)>, usize), StoreError> {
+        let p = self.repos_path();
+        let text = match std::fs::read_to_string(&p) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
+            Err(e) => return Err(io("reading", &p, &e)),
+        };
+        let mut map: std::collections::BTreeMap<&str, &str> = std::collections::BTreeMap::new();
+        let mut lines = 0;
+        // A torn last line (a crash mid-append) has no newline: it never happened.
+        for line in text.split_inclusive('\n').filter(|l| l.ends_with('\n')) {
+            lines += 1;
+            let Some((did, value)) = line.trim_end_matches('\n').split_once('\t') else { continue };
+            if value.is_empty() {
+                map.remove(did);
+            } else {
+                map.insert(did, value);
+            }
+        }
+        Ok((map.into_iter().map(|(d, v)| (d.to_owned(), v.to_owned())).collect(), lines))
+    }
+
+    /// Appends one change durably (fsync).
+    fn append_repo(&self, did: &str, value: &str) -> Result<(), StoreError> {
+        let p = self.repos_path();
+        let mut f =
+            std::fs::OpenOptions::new().create(true).append(true).open(&p).map_err(|e| io("opening", &p, &e))?;
+        let line = format!("{did}\t{value}\n");
+        f.write_all(line.as_bytes()).and_then(|()| f.sync_data()).map_err(|e| io("appending to", &p, &e))
+    }
+
     fn replace(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         self.write_file(&format!("cursor-{fingerprint}"), &cursor.to_string())
     }
@@ -212,6 +249,44 @@ impl crate::CursorStore for FileStore {
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
         let fingerprint = fingerprint.to_owned();
         self.blocking(move |f| f.read_sync(&fingerprint)).await
+    }
+
+    fn keeps_repos(&self) -> bool {
+        true
+    }
+
+    async fn write_repo(&self, w: crate::RepoWrite<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        if w.did.contains(['\t', '\n']) || w.value.is_some_and(|v| v.contains('\n') || v.is_empty()) {
+            return Err(StoreError::Protocol(format!("repo state of {:?} cannot be kept as a line", w.did)));
+        }
+        let (did, value, holder) = (w.did.to_owned(), w.value.unwrap_or("").to_owned(), fence.holder.to_owned());
+        self.blocking(move |f| {
+            if let Some(out) = f.fenced(&holder)? {
+                return Ok(out);
+            }
+            f.append_repo(&did, &value)?;
+            Ok(CommitOutcome::Saved)
+        })
+        .await
+    }
+
+    async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.blocking(|f| {
+            let (repos, lines) = f.read_repos()?;
+            // Compact a log that grew well past what it holds.
+            if lines > 1024 && lines > 2 * repos.len() {
+                let mut text = String::new();
+                for (d, v) in &repos {
+                    text.push_str(d);
+                    text.push('\t');
+                    text.push_str(v);
+                    text.push('\n');
+                }
+                f.write_file("repos.log", &text)?;
+            }
+            Ok(repos)
+        })
+        .await
     }
 
     async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {

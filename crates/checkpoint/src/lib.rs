@@ -27,5 +27,5 @@ pub use file_store::FileStore;
 pub use nats_store::NatsStore;
 pub use postgres_store::PostgresStore;
 pub use redis_store::{RedisKeys, RedisStore};
-pub use store::{CursorStore, Fence, OnCommit, RelayKey, Write, WriteKind};
+pub use store::{CursorStore, Fence, OnCommit, RelayKey, RepoWrite, Write, WriteKind};
 pub use watermark::Watermark;

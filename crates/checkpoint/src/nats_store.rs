@@ -95,6 +95,39 @@ impl NatsStore {
         format!("cursor.{fingerprint}")
     }
 
+    /// The key of a repo's state: `repo.` and the DID with every character a KV key
+    /// cannot hold written `=XX` (hex).
+    fn repo_key(did: &str) -> String {
+        use std::fmt::Write as _;
+        let mut k = String::with_capacity(5 + did.len());
+        k.push_str("repo.");
+        for b in did.bytes() {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+                k.push(char::from(b));
+            } else {
+                let _ = write!(k, "={b:02X}");
+            }
+        }
+        k
+    }
+
+    /// The DID of a repo key.
+    fn repo_did(key: &str) -> Option<String> {
+        let enc = key.strip_prefix("repo.")?.as_bytes();
+        let mut out = Vec::with_capacity(enc.len());
+        let mut i = 0;
+        while i < enc.len() {
+            if enc[i] == b'=' {
+                out.push(u8::from_str_radix(std::str::from_utf8(enc.get(i + 1..i + 3)?).ok()?, 16).ok()?);
+                i += 3;
+            } else {
+                out.push(enc[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).ok()
+    }
+
     async fn entry(&self, key: String) -> Result<Option<(Bytes, u64)>, StoreError> {
         Ok(self.state.read(key).await?)
     }
@@ -185,6 +218,39 @@ impl NatsStore {
         Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while committing")))
     }
 
+    /// Sets or clears a repo's state as `<token> <value>`: refused for a token below
+    /// `fence-seen` or below the key's own; written at the revision read.
+    async fn put_repo(&self, did: &str, value: Option<&str>, token: u64) -> Result<CommitOutcome, StoreError> {
+        let key = Self::repo_key(did);
+        for _ in 0..CAS_TRIES {
+            let (seen, _) = self.fence_seen().await?;
+            if token < seen {
+                return Ok(CommitOutcome::Fenced { current: Some(seen) });
+            }
+            let current = self.entry(key.clone()).await?;
+            let theirs = current.as_ref().and_then(|(v, _)| {
+                std::str::from_utf8(v).ok()?.split_once(' ').and_then(|(t, _)| t.parse::<u64>().ok())
+            });
+            if let Some(t) = theirs.filter(|&t| t > token) {
+                return Ok(CommitOutcome::Fenced { current: Some(t) });
+            }
+            let rev = current.as_ref().map(|(_, r)| *r);
+            let body = match value {
+                Some(v) => Bytes::from(format!("{token} {v}")),
+                // A cleared state is a tombstone with the token (so an older term's CAS
+                // at the revision it read still fails).
+                None => Bytes::from(format!("{token} ")),
+            };
+            if current.is_none() && value.is_none() {
+                return Ok(CommitOutcome::Saved);
+            }
+            if self.cas(key.clone(), body, rev).await? {
+                return Ok(CommitOutcome::Saved);
+            }
+        }
+        Err(StoreError::Unavailable(format!("the state of {did} kept changing while writing it")))
+    }
+
     /// Records the relay the leader is on (after a saved commit), fenced the same way.
     async fn set_active(&self, fingerprint: &str, token: u64) -> Result<(), StoreError> {
         for _ in 0..CAS_TRIES {
@@ -259,6 +325,29 @@ impl NatsStore {
 impl crate::CursorStore for NatsStore {
     fn name(&self) -> &'static str {
         "nats"
+    }
+
+    fn keeps_repos(&self) -> bool {
+        true
+    }
+
+    async fn write_repo(&self, w: crate::RepoWrite<'_>, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        self.put_repo(w.did, w.value, fence.token).await
+    }
+
+    async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let keys = self.state.keys_with("repo.").await?;
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let Some(did) = Self::repo_did(&key) else { continue };
+            if let Some((v, _)) = self.entry(key).await? {
+                let text = String::from_utf8_lossy(&v);
+                if let Some((_, value)) = text.split_once(' ').filter(|(_, v)| !v.is_empty()) {
+                    out.push((did, value.to_owned()));
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn cursor_key(&self, fingerprint: &str) -> String {

@@ -16,7 +16,8 @@ use crate::cursor::{self, CommitOutcome, ReadOutcome, StoreError};
 /// The schema, from `migrations/` (each step idempotent, applied in order on connect).
 pub const MIGRATION: &str = concat!(
     include_str!("../../../migrations/0001_cursors.sql"),
-    include_str!("../../../migrations/0004_cursor_time.sql")
+    include_str!("../../../migrations/0004_cursor_time.sql"),
+    include_str!("../../../migrations/0005_repos.sql")
 );
 
 /// Cursors in Postgres.
@@ -298,6 +299,44 @@ impl crate::CursorStore for PostgresStore {
 
     fn cursor_key(&self, fingerprint: &str) -> String {
         format!("the row of firekeeper_cursors where relay = '{fingerprint}'")
+    }
+
+    fn keeps_repos(&self) -> bool {
+        true
+    }
+
+    async fn write_repo(&self, w: crate::RepoWrite<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        let mut c = self.client.lock().await;
+        within(self.op_timeout, async {
+            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            if let Some(current) = self::fence(&tx, fence.token).await? {
+                return Ok(CommitOutcome::Fenced { current: Some(current) });
+            }
+            match w.value {
+                Some(v) => tx
+                    .execute(
+                        "INSERT INTO firekeeper_repos (did, state, token) VALUES ($1, $2, $3)
+                         ON CONFLICT (did) DO UPDATE SET state = EXCLUDED.state, token = EXCLUDED.token, updated_at = now()",
+                        &[&w.did, &v, &as_i64(fence.token)],
+                    )
+                    .await
+                    .map_err(|e| pg(&e))?,
+                None => tx.execute("DELETE FROM firekeeper_repos WHERE did = $1", &[&w.did]).await.map_err(|e| pg(&e))?,
+            };
+            tx.commit().await.map_err(|e| pg(&e))?;
+            Ok(CommitOutcome::Saved)
+        })
+        .await
+    }
+
+    async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let c = self.client.lock().await;
+        within(self.op_timeout.max(Duration::from_secs(30)), async {
+            let rows =
+                c.query("SELECT did, state FROM firekeeper_repos ORDER BY did", &[]).await.map_err(|e| pg(&e))?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+        .await
     }
 
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {

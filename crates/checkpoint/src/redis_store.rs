@@ -30,6 +30,8 @@ pub struct RedisKeys {
     pub time_prefix: String,
     /// The fingerprint of the relay the last committing leader was on.
     pub active: String,
+    /// Repos that need repair: a hash of DID → the consumer's state.
+    pub repos: String,
 }
 
 impl RedisKeys {
@@ -44,6 +46,7 @@ impl RedisKeys {
             commits_channel: format!("{{{prefix}}}:commits"),
             time_prefix: format!("{{{prefix}}}:cursor-time:"),
             active: format!("{{{prefix}}}:active-relay"),
+            repos: format!("{{{prefix}}}:repos"),
         }
     }
 
@@ -97,6 +100,18 @@ redis.call('PUBLISH', ARGV[3], msg)
 return {1, ''}
 ";
 
+// KEYS: lease, repos, fence-seen. ARGV: holder (the whole lease value), token, did,
+// '1' to set (else clear), value. Fenced like a commit.
+const REPO: &str = r"
+local h = redis.call('GET', KEYS[1])
+local t = h and string.match(h, ':([0-9]+)$')
+if h ~= ARGV[1] then return {3, t or ''} end
+if ARGV[4] == '1' then redis.call('HSET', KEYS[2], ARGV[3], ARGV[5]) else redis.call('HDEL', KEYS[2], ARGV[3]) end
+local seen = redis.call('GET', KEYS[3])
+if not valid(seen) or gt(ARGV[2], seen) then redis.call('SET', KEYS[3], ARGV[2]) end
+return {1, ''}
+";
+
 // KEYS: legacy, cursor. Atomic max of the legacy value into the new key.
 // Returns {0, ''} when there is no valid legacy value, else {1, legacy value}.
 const MIGRATE: &str = r"
@@ -123,6 +138,7 @@ pub struct RedisStore {
     commit: Script,
     migrate: Script,
     delete_if: Script,
+    repo: Script,
 }
 
 #[allow(clippy::needless_pass_by_value)] // the shape `map_err` wants
@@ -140,6 +156,7 @@ impl RedisStore {
             commit: Script::new(&script(COMMIT)),
             migrate: Script::new(&script(MIGRATE)),
             delete_if: Script::new(DELETE_IF),
+            repo: Script::new(&script(REPO)),
         })
     }
 
@@ -394,6 +411,56 @@ impl crate::CursorStore for RedisStore {
             self.migrate_legacy(r.fingerprint, r.host_port, r.is_root).await?;
         }
         Ok(())
+    }
+
+    fn keeps_repos(&self) -> bool {
+        true
+    }
+
+    async fn write_repo(&self, w: crate::RepoWrite<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        let k = &self.keys;
+        let v: Value = self
+            .conn
+            .run(|mut c| async move {
+                self.repo
+                    .key(&k.lease)
+                    .key(&k.repos)
+                    .key(&k.fence_seen)
+                    .arg(fence.holder)
+                    .arg(fence.token)
+                    .arg(w.did)
+                    .arg(if w.value.is_some() { "1" } else { "0" })
+                    .arg(w.value.unwrap_or(""))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(err)?;
+        match redis_op::pair(&v).map_err(StoreError::Protocol)? {
+            (1, _) => Ok(CommitOutcome::Saved),
+            (3, holder) => Ok(CommitOutcome::Fenced { current: holder.parse().ok() }),
+            other => Err(StoreError::Protocol(format!("repo write answered {other:?}"))),
+        }
+    }
+
+    async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let mut out = Vec::new();
+        let mut cursor = 0u64;
+        loop {
+            let key = self.keys.repos.clone();
+            let (next, page): (u64, Vec<(String, String)>) = self
+                .conn
+                .run(|mut c| async move {
+                    redis::cmd("HSCAN").arg(&key).arg(cursor).arg("COUNT").arg(1000).query_async(&mut c).await
+                })
+                .await
+                .map_err(err)?;
+            out.extend(page);
+            if next == 0 {
+                return Ok(out);
+            }
+            cursor = next;
+        }
     }
 
     async fn follow_commits(&self, mut seen: crate::OnCommit) {

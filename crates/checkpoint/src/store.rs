@@ -53,6 +53,16 @@ impl<'a> Write<'a> {
     }
 }
 
+/// One fenced change to the state of a repo that needs repair (a desynchronised repo):
+/// the consumer's own encoding of the state, or `None` when the repo is synchronised again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RepoWrite<'a> {
+    /// The repo's DID.
+    pub did: &'a str,
+    /// Its state, or `None` to clear it.
+    pub value: Option<&'a str>,
+}
+
 /// A relay as a store may need it on election (legacy host-keyed cursors).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RelayKey<'a> {
@@ -96,6 +106,23 @@ pub trait CursorStore: Send + Sync + 'static {
     /// The fingerprint of the relay the last committing leader was on.
     async fn active_relay(&self) -> Result<Option<String>, StoreError> {
         Ok(None)
+    }
+
+    /// True when this store keeps repo states ([`CursorStore::write_repo`]), so a new
+    /// leader continues what the last one knew of repos that need repair.
+    fn keeps_repos(&self) -> bool {
+        false
+    }
+
+    /// Sets or clears one repo's state, fenced like a cursor commit: `Fenced` unless
+    /// `fence` is the current term. A store that keeps none saves nothing.
+    async fn write_repo(&self, _w: RepoWrite<'_>, _fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        Ok(CommitOutcome::Saved)
+    }
+
+    /// Every repo state kept: `(did, value)`.
+    async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(Vec::new())
     }
 
     /// Operator override, unfenced (`firekeeper cursor set`).

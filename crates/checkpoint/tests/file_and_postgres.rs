@@ -245,12 +245,13 @@ async fn the_file_write_seam_advances_rewinds_and_fences() {
     let lease = dir.join("lease");
     std::fs::write(&lease, "x:3").expect("lease");
     let s = FileStore::new(&dir.join("c"), &lease).expect("store");
-    seam::write_contract(
-        &s,
-        checkpoint::Fence { holder: "x:3", token: 3 },
-        checkpoint::Fence { holder: "w:2", token: 2 },
-    )
-    .await;
+    let (current, stale) =
+        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
+    seam::write_contract(&s, current, stale).await;
+    seam::repo_contract(&s, current, stale).await;
+    // A new process reads the log the last one appended.
+    let again = FileStore::new(&dir.join("c"), &lease).expect("store");
+    assert_eq!(checkpoint::CursorStore::repos(&again).await.expect("repos").len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,10 +259,8 @@ async fn the_postgres_write_seam_advances_rewinds_and_fences() {
     let pg = PgServer::start();
     let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect");
     assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
-    seam::write_contract(
-        &s,
-        checkpoint::Fence { holder: "x:3", token: 3 },
-        checkpoint::Fence { holder: "w:2", token: 2 },
-    )
-    .await;
+    let (current, stale) =
+        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
+    seam::write_contract(&s, current, stale).await;
+    seam::repo_contract(&s, current, stale).await;
 }

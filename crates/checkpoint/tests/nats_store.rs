@@ -256,4 +256,5 @@ async fn the_write_seam_advances_rewinds_and_fences() {
     let server = NatsServer::start();
     let s = NatsStore::new(&nats(&server.url()).await, "seam");
     seam::write_contract(&s, fence("x:3"), fence("w:2")).await;
+    seam::repo_contract(&s, fence("x:3"), fence("w:2")).await;
 }

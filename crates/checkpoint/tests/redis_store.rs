@@ -307,10 +307,8 @@ async fn the_write_seam_advances_rewinds_and_fences() {
     let redis = RedisServer::start();
     let s = store(&redis.url(), "seam");
     set(&redis, "{seam}:lease", b"x:3");
-    seam::write_contract(
-        &s,
-        checkpoint::Fence { holder: "x:3", token: 3 },
-        checkpoint::Fence { holder: "w:2", token: 2 },
-    )
-    .await;
+    let (current, stale) =
+        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
+    seam::write_contract(&s, current, stale).await;
+    seam::repo_contract(&s, current, stale).await;
 }

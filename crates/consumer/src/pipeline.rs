@@ -66,6 +66,8 @@ pub(crate) struct Shape {
     pub(crate) chain_breaks: Option<ChainBreaks>,
     /// Where a failing sink is shown.
     pub(crate) status: StatusHandle,
+    /// Where desynchronised repos are kept (the cursor store).
+    pub(crate) store: Arc<dyn checkpoint::CursorStore>,
 }
 
 impl Shape {
@@ -114,6 +116,7 @@ impl Pipeline {
                 memory: shape.verifier.as_ref().and(memory.cloned()),
                 chain_breaks: shape.chain_breaks,
                 status: shape.status.clone(),
+                store: shape.store.clone(),
             };
             tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
         }
@@ -225,6 +228,7 @@ struct Lane {
     memory: Option<Arc<Memory>>,
     chain_breaks: Option<ChainBreaks>,
     status: StatusHandle,
+    store: Arc<dyn checkpoint::CursorStore>,
 }
 
 /// A submitted batch whose write is not yet durable.
@@ -287,6 +291,12 @@ impl Lane {
                     if let Some(v) = &self.verifier {
                         let Some(s) = self.verify(v, &mut batch).await else { return };
                         stop = s;
+                        // What changed of the batch's repos' desync states is kept by the
+                        // store before the cursor can pass the events that changed it.
+                        if let Err(e) = self.persist(v, &batch).await {
+                            let _ = done.send(Err(LaneStop::Handler(e)));
+                            return;
+                        }
                         // Hidden events were sent only to be verified: done without the handler.
                         batch.retain(|e| {
                             if e.hidden {
@@ -424,6 +434,49 @@ impl Lane {
 }
 
 impl Lane {
+    /// Writes the desync changes of the batch's repos to the store, fenced by the term,
+    /// retried while the store does not answer (`Fenced`: a newer term owns the store).
+    async fn persist(&self, v: &Verifier, batch: &[Event]) -> Result<(), HandlerError> {
+        if !self.store.keeps_repos() {
+            return Ok(());
+        }
+        let desync = v.desync();
+        let mut seen: Vec<&str> = Vec::new();
+        for did in batch.iter().filter_map(Event::did) {
+            if seen.contains(&did) {
+                continue;
+            }
+            seen.push(did);
+            let Some(change) = desync.take_change(did) else { continue };
+            let holder = self.ctx.term.holder();
+            let fence = checkpoint::Fence { holder: &holder, token: self.ctx.token };
+            let w = checkpoint::RepoWrite { did, value: change.value() };
+            let mut backoff = Backoff::new(RETRY);
+            loop {
+                self.ctx.ensure_active().inspect_err(|_| desync.untake(did))?;
+                match self.store.write_repo(w, fence).await {
+                    Ok(checkpoint::CommitOutcome::Fenced { .. }) => {
+                        desync.untake(did);
+                        return Err(HandlerError::Fenced);
+                    }
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, repo = did, "keeping a desynchronised repo in the store failed; retrying");
+                        let delay = backoff.next_delay();
+                        tokio::select! {
+                            () = tokio::time::sleep(delay) => {}
+                            () = self.ctx.cancel.cancelled() => {
+                                desync.untake(did);
+                                return Err(HandlerError::Cancelled);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Records a verified event in the term's memory (only verified data moves it), and
     /// attaches the chain break it reveals when breaks are emitted.
     fn remember(&self, e: &mut Event) {

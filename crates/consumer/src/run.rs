@@ -95,6 +95,7 @@ impl Consumer {
             verifier,
             chain_breaks: (settings.options.chain_repos > 0).then_some(settings.options.chain_breaks),
             status: status.clone(),
+            store: store.clone(),
         };
         let cx = Ctx {
             settings: &settings,

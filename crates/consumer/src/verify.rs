@@ -129,14 +129,55 @@ pub struct Desynced {
     pub reason: &'static str,
     /// The rev the event claimed.
     pub rev: Option<String>,
+    /// When it was marked (Unix ms).
+    pub since: i64,
 }
 
-/// The repos marked desynchronised (shared with the status handle).
+/// Now, Unix ms.
+fn now_ms() -> i64 {
+    i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
+}
+
+/// A desynchronised repo as the cursor store keeps it (`CursorStore::write_repo`).
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct Kept {
+    /// Why, in one word.
+    reason: String,
+    /// The seq of its invalid event.
+    seq: u64,
+    /// The rev the event claimed.
+    rev: Option<String>,
+    /// When it was marked (Unix ms).
+    since: i64,
+}
+
+/// A repo's desync state changed: what the store must now keep.
+pub(crate) enum Change {
+    /// Desynchronised, in the store's form.
+    Kept(String),
+    /// Synchronised again.
+    Cleared,
+}
+
+impl Change {
+    /// The value a [`checkpoint::RepoWrite`] carries.
+    pub(crate) fn value(&self) -> Option<&str> {
+        match self {
+            Self::Kept(v) => Some(v),
+            Self::Cleared => None,
+        }
+    }
+}
+
+/// The repos marked desynchronised (shared with the status handle), and which of them
+/// changed since the store last heard.
 #[derive(Debug, Default)]
 pub struct Desync {
     repos: Mutex<HashMap<String, Desynced>>,
     len: AtomicUsize,
     max: AtomicUsize,
+    /// Repos marked or cleared and not yet written to the store.
+    dirty: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Desync {
@@ -144,8 +185,10 @@ impl Desync {
         let Ok(mut r) = self.repos.lock() else { return };
         let max = self.max.load(Ordering::Relaxed);
         if r.len() < max || r.contains_key(&inv.repo) {
-            let d = Desynced { repo: inv.repo.clone(), seq, reason: inv.reason.as_str(), rev: inv.rev.clone() };
+            let since = r.get(&inv.repo).map_or_else(now_ms, |d| d.since);
+            let d = Desynced { repo: inv.repo.clone(), seq, reason: inv.reason.as_str(), rev: inv.rev.clone(), since };
             r.insert(inv.repo.clone(), d);
+            self.dirty.lock().expect("dirty").insert(inv.repo.clone());
         }
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
@@ -158,6 +201,44 @@ impl Desync {
         let Ok(mut r) = self.repos.lock() else { return };
         if r.remove(repo).is_some() {
             tracing::info!(repo, "repo verified again: no longer desynchronised");
+            self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        }
+        self.len.store(r.len(), Ordering::Relaxed);
+        metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
+    }
+
+    /// `repo`'s state in the store's form, if it changed since the store last heard.
+    pub(crate) fn take_change(&self, repo: &str) -> Option<Change> {
+        if !self.dirty.lock().expect("dirty").remove(repo) {
+            return None;
+        }
+        let r = self.repos.lock().expect("repos");
+        Some(match r.get(repo) {
+            Some(d) => {
+                let kept = Kept { reason: d.reason.to_owned(), seq: d.seq, rev: d.rev.clone(), since: d.since };
+                Change::Kept(serde_json::to_string(&kept).unwrap_or_default())
+            }
+            None => Change::Cleared,
+        })
+    }
+
+    /// Puts back a change the store did not take (the term ended first).
+    pub(crate) fn untake(&self, repo: &str) {
+        self.dirty.lock().expect("dirty").insert(repo.to_owned());
+    }
+
+    /// Replaces the list with what the store kept (a new term continues the last).
+    pub(crate) fn load(&self, kept: &[(String, String)]) {
+        let Ok(mut r) = self.repos.lock() else { return };
+        r.clear();
+        self.dirty.lock().expect("dirty").clear();
+        for (repo, value) in kept {
+            let Ok(k) = serde_json::from_str::<Kept>(value) else {
+                tracing::warn!(repo, "a kept repo state does not read; skipped");
+                continue;
+            };
+            let reason = Reason::ALL.iter().find(|r| r.as_str() == k.reason).map_or("unknown", |r| r.as_str());
+            r.insert(repo.clone(), Desynced { repo: repo.clone(), seq: k.seq, reason, rev: k.rev, since: k.since });
         }
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
@@ -235,6 +316,11 @@ impl Verifier {
             desync,
             holds: Mutex::new(HashMap::new()),
         }))
+    }
+
+    /// The desynchronised repos.
+    pub(crate) fn desync(&self) -> &Desync {
+        &self.desync
     }
 
     /// The invalid-event policy.

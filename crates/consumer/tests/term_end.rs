@@ -151,7 +151,7 @@ async fn a_fatal_sink_error_commits_what_came_before_and_stops() {
     assert!(err.to_string().contains("half a batch written to a pipe"), "{err}");
     let took = h.took.lock().expect("took").clone();
     let last = *took.last().expect("batches before it");
-    assert!(last < 500 && took.len() as u64 == last, "everything before the failed batch, in order");
+    assert!(last < 500 && took.len() as u64 == last, "everything before the failed batch, in order: {took:?}");
     let store_cursor = c.status.snapshot().committed.expect("committed");
     assert_eq!(store_cursor, last, "committed up to just before the failed batch");
 }

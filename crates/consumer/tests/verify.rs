@@ -441,3 +441,81 @@ async fn replayed_commits_are_not_chain_failures() {
     assert_eq!(seen.len() as u64, total);
     assert_eq!(seen.values().filter(|v| v.1.is_some()).count(), 0);
 }
+
+/// A consumer over the shared directory of a test (file lease, file store).
+fn consumer_in(dir: &std::path::Path, relay: &RelayUrl, plc: &Plc, seen: Arc<Seen>) -> consumer::Consumer {
+    let lock = dir.join("lease.lock");
+    Builder::new(relay.clone())
+        .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
+        .store(checkpoint::FileStore::new(&dir.join("cursors"), &lock).expect("store"))
+        .shared_handler(seen)
+        .options(options(plc, VerifyMode::Full))
+        .build()
+        .expect("build")
+}
+
+/// Issue 33: the desynchronised repos lived in the leader's memory only; a new leader
+/// knew none of them. Now each is kept in the cursor store (fenced like a commit) before
+/// the cursor passes the event that desynchronised it: the next term lists it at once,
+/// and when the repo chains again the store forgets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn desynchronised_repos_survive_a_leader_change_and_are_forgotten_when_they_chain_again() {
+    let plc = Plc::signed_fixture().await;
+    let frames = testkit::signed_frames();
+    let cs = commits(&frames);
+    let (bad, repo) = cs
+        .iter()
+        .enumerate()
+        .find_map(|(i, c)| {
+            (c.0 > 100 && cs[i + 1..].iter().filter(|d| d.1 == c.1).count() >= 2).then(|| (c.0, c.1.clone()))
+        })
+        .expect("a repo with commits after one");
+    let frames: Vec<Bytes> =
+        frames.iter().map(|f| if seq_of(f) == bad { tamper::sig_flipped(f) } else { f.clone() }).collect();
+    let head = frames.iter().position(|f| seq_of(f) == bad).expect("frame") + 1;
+    let sim = RelaySim::start_with(
+        frames,
+        SimConfig { initial_head: Some(head), ..SimConfig::default() },
+        "127.0.0.1:0".parse().expect("a"),
+    )
+    .await
+    .expect("sim");
+    let relay = RelayUrl::parse(&sim.url()).expect("url");
+    let dir = testkit::tmpdir("verify-desync-kept");
+    let store = checkpoint::FileStore::new(&dir.join("cursors"), &dir.join("lease.lock")).expect("store");
+    checkpoint::CursorStore::force(&store, relay.fingerprint(), 0).await.expect("seed");
+    let run = |seen| {
+        let c = consumer_in(&dir, &relay, &plc, seen);
+        let status = c.status();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        (
+            status,
+            stop,
+            tokio::spawn(c.run(async move {
+                let _ = stopped.await;
+            })),
+        )
+    };
+    let (status, stop, task) = run(Arc::new(Seen::default()));
+    eventually("the invalid commit committed", WAIT, async || status.snapshot().committed >= Some(bad)).await;
+    let _ = stop.send(());
+    task.await.expect("join").expect("clean stop");
+    let kept = checkpoint::CursorStore::repos(&store).await.expect("repos");
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].0, repo);
+    assert!(kept[0].1.contains("signature"), "{kept:?}");
+    // The next term lists it before any event of the repo arrives.
+    let (status, stop, task) = run(Arc::new(Seen::default()));
+    eventually("leading", WAIT, async || status.snapshot().role == consumer::Role::Leader).await;
+    eventually("the kept repo listed", WAIT, async || {
+        status.desynchronized().iter().any(|d| d.repo == repo && d.seq == bad)
+    })
+    .await;
+    // The repo chains again: the store forgets it.
+    sim.handle().publish_up_to(usize::MAX);
+    eventually("every event committed", WAIT, async || status.snapshot().committed >= Some(959)).await;
+    assert!(status.desynchronized().is_empty());
+    let _ = stop.send(());
+    task.await.expect("join").expect("clean stop");
+    assert_eq!(checkpoint::CursorStore::repos(&store).await.expect("repos"), vec![], "cleared in the store too");
+}

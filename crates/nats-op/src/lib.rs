@@ -414,6 +414,25 @@ impl Bucket {
         self.op("read", |st| async move { st.entry(key).await }).await.map(live)
     }
 
+    /// Every live key that starts with `prefix`, listed within 30 s (a listing can be
+    /// long: it reads the bucket's whole key set).
+    pub async fn keys_with(&self, prefix: &str) -> Result<Vec<String>, NatsError> {
+        use futures_util::TryStreamExt as _;
+        const LIST: Duration = Duration::from_secs(30);
+        let list = async {
+            let st = self.store().await?;
+            let unavailable =
+                |detail: String| NatsError::Unavailable { what: "list keys", addr: self.nats.addr.clone(), detail };
+            let keys = st.keys().await.map_err(|e| unavailable(e.to_string()))?;
+            let all: Vec<String> = keys.try_collect().await.map_err(|e| unavailable(e.to_string()))?;
+            Ok(all.into_iter().filter(|k| k.starts_with(prefix)).collect())
+        };
+        match tokio::time::timeout(LIST, Box::pin(list)).await {
+            Ok(r) => r,
+            Err(_) => Err(self.nats.timed_out("list keys", LIST)),
+        }
+    }
+
     /// Calls `f` with every change of `key` (or of the keys a pattern like `cursor.>`
     /// names), watching again after errors and reconnects; returns only when dropped.
     pub async fn follow(&self, key: &'static str, mut f: impl FnMut(kv::Entry) + Send) {

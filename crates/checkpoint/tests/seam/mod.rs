@@ -27,3 +27,41 @@ pub async fn write_contract(s: &dyn CursorStore, current: Fence<'_>, stale: Fenc
     assert_eq!(s.read(fp).await, Ok(ReadOutcome::Found(3)), "{}: a rewind lowers the cursor", s.name());
     assert_eq!(s.read_time(fp).await, Ok(None), "{}: a rewind has no time of its own", s.name());
 }
+
+/// The repo-state contract: the current term sets, overwrites and clears repo states; a
+/// stale term's writes are refused and change nothing; DIDs of every spelling round-trip.
+pub async fn repo_contract(s: &dyn CursorStore, current: Fence<'_>, stale: Fence<'_>) {
+    use checkpoint::RepoWrite;
+    let name = s.name();
+    assert!(s.keeps_repos(), "{name} keeps repo states");
+    s.on_elected(current, &[]).await.expect("elected");
+    let set = |did, value| RepoWrite { did, value: Some(value) };
+    let web = "did:web:host.example%3A8080";
+    for (w, f) in [
+        (set("did:plc:aaa", r#"{"reason":"chain","n":1}"#), current),
+        (set("did:plc:bbb", "{}"), current),
+        (set("did:plc:aaa", r#"{"reason":"signature","n":2}"#), current),
+        (set(web, r#"{"reason":"unresolved"}"#), current),
+    ] {
+        assert_eq!(s.write_repo(w, f).await, Ok(CommitOutcome::Saved), "{name}: {w:?}");
+    }
+    let mut want = vec![
+        ("did:plc:aaa".to_owned(), r#"{"reason":"signature","n":2}"#.to_owned()),
+        ("did:plc:bbb".to_owned(), "{}".to_owned()),
+        (web.to_owned(), r#"{"reason":"unresolved"}"#.to_owned()),
+    ];
+    let sorted = |mut v: Vec<(String, String)>| {
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(s.repos().await.expect("repos")), want, "{name}: the last write of each wins");
+    for w in [set("did:plc:ccc", "{}"), RepoWrite { did: "did:plc:aaa", value: None }] {
+        let out = s.write_repo(w, stale).await;
+        assert!(matches!(out, Ok(CommitOutcome::Fenced { .. })), "{name}: {w:?} by a stale term: {out:?}");
+    }
+    assert_eq!(sorted(s.repos().await.expect("repos")), want, "{name}: fenced writes change nothing");
+    let clear = RepoWrite { did: "did:plc:aaa", value: None };
+    assert_eq!(s.write_repo(clear, current).await, Ok(CommitOutcome::Saved));
+    want.remove(0);
+    assert_eq!(sorted(s.repos().await.expect("repos")), want, "{name}: a cleared repo is gone");
+}

@@ -5,7 +5,7 @@ use relay_client::probe::time_ms;
 use relay_client::{Item, Message, Notice, OwnedFrame, SubscribeError};
 use tokio::sync::mpsc;
 
-use super::{Ctx, Leader, Phase, Step, TermEnd, guarded};
+use super::{Ctx, Leader, Phase, Step, guarded};
 use crate::chain::{ChainBreak, ChainBreaks};
 use crate::continuity::Key;
 use crate::error::Fatal;
@@ -117,19 +117,27 @@ impl Leader<'_, '_> {
     /// no waiters registered on the term and shutdown tokens), else waited for, guarded.
     pub(super) async fn flush_lane(&mut self, lane: usize) -> Step {
         let chunk = std::mem::take(&mut self.p.staged[lane]);
-        let permit = match self.p.lanes[lane].try_reserve() {
-            Ok(permit) => permit,
-            Err(mpsc::error::TrySendError::Closed(())) => return Step::End(TermEnd::Lost),
-            Err(mpsc::error::TrySendError::Full(())) => {
-                match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
-                    Ok(Ok(permit)) => permit,
-                    Ok(Err(_)) => return Step::End(TermEnd::Lost),
-                    Err(i) => return i.into(),
-                }
+        let full = match self.p.lanes[lane].try_reserve() {
+            Ok(permit) => {
+                permit.send(chunk);
+                return Step::Next;
             }
+            Err(mpsc::error::TrySendError::Closed(())) => None,
+            Err(mpsc::error::TrySendError::Full(())) => Some(chunk),
         };
-        permit.send(chunk);
-        Step::Next
+        let Some(chunk) = full else { return self.lane_gone().await };
+        let waited = match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
+            Ok(Ok(permit)) => {
+                permit.send(chunk);
+                return Step::Next;
+            }
+            Ok(Err(_)) => None,
+            Err(i) => Some(i),
+        };
+        match waited {
+            Some(i) => i.into(),
+            None => self.lane_gone().await,
+        }
     }
 
     /// Sends every lane's staged events, waiting where a lane is full.

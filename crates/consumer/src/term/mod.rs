@@ -270,12 +270,7 @@ impl Leader<'_, '_> {
                 out = commit::landed(&mut self.flight) => self.on_landed(out),
                 Some(r) = self.p.done.recv() => match self.p.on_done(r) {
                     Ok(()) => Step::Next,
-                    Err(LaneStop::Invalid(stop)) => {
-                        let (seq, invalid) = *stop;
-                        self.stop(Fatal::Invalid { seq, invalid: Box::new(invalid) }).await
-                    }
-                    Err(LaneStop::Handler(e @ HandlerError::Fatal { .. })) => self.stop(Fatal::Sink(e)).await,
-                    Err(LaneStop::Handler(_)) => Step::End(TermEnd::Lost),
+                    Err(why) => self.lane_stopped(why).await,
                 },
                 item = self.sub.next(), if has_room => self.on_item(item).await,
             };
@@ -285,6 +280,31 @@ impl Leader<'_, '_> {
                 Step::End(end) => return Some(self.ended(end)),
             }
         }
+    }
+
+    /// A lane stopped for good: an invalid event under `fail` or a sink that cannot go on
+    /// stops the consumer (everything before committed); anything else ends the term.
+    async fn lane_stopped(&mut self, why: LaneStop) -> Step {
+        match why {
+            LaneStop::Invalid(stop) => {
+                let (seq, invalid) = *stop;
+                self.stop(Fatal::Invalid { seq, invalid: Box::new(invalid) }).await
+            }
+            LaneStop::Handler(e @ HandlerError::Fatal { .. }) => self.stop(Fatal::Sink(e)).await,
+            LaneStop::Handler(_) => Step::End(TermEnd::Lost),
+        }
+    }
+
+    /// A lane's queue closed under intake: a lane that stopped sent its reason before
+    /// its queue closed, so it is on the done channel, behind the results it sent before
+    /// (none there: it died, and the term ends).
+    async fn lane_gone(&mut self) -> Step {
+        while let Ok(r) = self.p.done.try_recv() {
+            if let Err(why) = self.p.on_done(r) {
+                return self.lane_stopped(why).await;
+            }
+        }
+        Step::End(TermEnd::Lost)
     }
 
     fn ended(&self, end: TermEnd) -> TermEnd {

@@ -123,6 +123,20 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         Ok(Err(e)) => return TermEnd::Fatal(Fatal::Elected(e)),
         Ok(Ok(())) => {}
     }
+    // The repos the last term knew to be desynchronised.
+    if cx.store.keeps_repos() {
+        match guarded(cx, &term, cx.store.repos()).await {
+            Ok(Ok(kept)) => {
+                if !kept.is_empty() {
+                    tracing::info!(repos = kept.len(), "desynchronised repos kept by the store");
+                }
+                cx.status.desync().load(&kept);
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "reading the desynchronised repos kept by the store failed"),
+            Err(Interrupted::TermEnded) => return TermEnd::Lost,
+            Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+        }
+    }
     // Resume on the relay the last committing leader was on: its cursor is where the
     // stream stands (the other relay's is older, and numbered differently).
     let active = match guarded(cx, &term, cx.store.active_relay()).await {
