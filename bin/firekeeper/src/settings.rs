@@ -376,6 +376,7 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_LEASE_POLL_MS", lease.poll, "standby poll (±20 % jitter); standbys also wake on release"),
     millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed (one write in flight; intake reads on meanwhile); a quiet stream writes its cursor again every 10 intervals, so a store that lost it gets it back"),
     millis!("FIREKEEPER_DRAIN_BUDGET_MS", options.drain_budget, "step-down drain budget"),
+    millis!("FIREKEEPER_UNCOMMITTED_MAX_MS", options.uncommitted_max, "when the cursor store takes no commit for this long while there is something to commit, intake waits until one lands (not ready meanwhile, `commit_stalled` in `/status`): what a crash can repeat stays bounded by what was handed over in this long"),
     setting!("FIREKEEPER_HTTP_ADDR", Kind::Text, |r, v| r.http_addr = http_addr(v)?, |d| d.http_addr.map_or_else(|| "off".into(), |a| a.to_string()), "`/healthz`, `/readyz`, `/metrics`, `/status`; `off` disables"),
     count!("FIREKEEPER_LANES", 256, options.lanes, "processing lanes; one repo's events always share a lane (order per repo)"),
     count!("FIREKEEPER_QUEUE_DEPTH", 1 << 20, options.queue_depth, "events queued per lane before the socket is pushed back on"),

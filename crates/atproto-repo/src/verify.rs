@@ -35,11 +35,14 @@ pub enum Reason {
     Unresolved,
     /// The event or its commit does not parse.
     Malformed,
+    /// Not a verification failure: the sink refused the event for its content (under the
+    /// skip policy it is handed over as `#invalid` instead, so the stream goes on).
+    Unstorable,
 }
 
 impl Reason {
     /// Every reason, for metrics and documentation.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Signature,
         Reason::Cid,
         Reason::Mst,
@@ -47,6 +50,7 @@ impl Reason {
         Reason::Chain,
         Reason::Unresolved,
         Reason::Malformed,
+        Reason::Unstorable,
     ];
 
     /// The reason's name in `#invalid` events and metric labels.
@@ -60,6 +64,7 @@ impl Reason {
             Reason::Chain => "chain",
             Reason::Unresolved => "unresolved",
             Reason::Malformed => "malformed",
+            Reason::Unstorable => "unstorable",
         }
     }
 }

@@ -23,8 +23,99 @@ pub const MIGRATION: &str = concat!(
 /// Cursors in Postgres.
 #[derive(Debug)]
 pub struct PostgresStore {
-    client: tokio::sync::Mutex<Client>,
+    conn: PgConn,
     op_timeout: Duration,
+}
+
+/// A Postgres connection made again when it broke (a restart, a failover, a dropped
+/// link): each use takes the live client, or connects anew first (within the connect
+/// timeout); nothing is retried behind the caller's back. The URL is never logged.
+pub struct PgConn {
+    url: String,
+    connect_timeout: Duration,
+    client: tokio::sync::Mutex<Option<Client>>,
+    /// How many times a broken connection was made again.
+    reconnects: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for PgConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgConn").field("reconnects", &self.reconnects).finish_non_exhaustive()
+    }
+}
+
+/// The live client, held for one use.
+pub struct PgClient<'a>(tokio::sync::MutexGuard<'a, Option<Client>>);
+
+impl std::ops::Deref for PgClient<'_> {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        self.0.as_ref().expect("connected before it was handed out")
+    }
+}
+
+impl std::ops::DerefMut for PgClient<'_> {
+    fn deref_mut(&mut self) -> &mut Client {
+        self.0.as_mut().expect("connected before it was handed out")
+    }
+}
+
+/// A key that serialises schema changes between replicas connecting at once.
+const MIGRATION_LOCK: i64 = 0x6669_7265_6b65_6570; // "firekeep"
+
+/// Applies `sql` (idempotent steps) while holding the migration lock.
+pub async fn migrate(client: &Client, sql: &str) -> Result<(), tokio_postgres::Error> {
+    client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]).await?;
+    let out = client.batch_execute(sql).await;
+    client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK]).await?;
+    out
+}
+
+async fn open(url: &str, timeout: Duration) -> Result<Client, StoreError> {
+    let (client, conn) =
+        within(timeout, async { tokio_postgres::connect(url, NoTls).await.map_err(|e| pg(&e)) }).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::warn!(error = %e, "postgres connection ended");
+        }
+    });
+    Ok(client)
+}
+
+impl PgConn {
+    /// Connects (`DATABASE_URL` form) and applies `migration`.
+    pub async fn connect(url: &str, connect_timeout: Duration, migration: &str) -> Result<Self, StoreError> {
+        let client = open(url, connect_timeout).await?;
+        within(connect_timeout.max(Duration::from_secs(30)), async {
+            migrate(&client, migration).await.map_err(|e| pg(&e))
+        })
+        .await?;
+        Ok(Self {
+            url: url.to_owned(),
+            connect_timeout,
+            client: tokio::sync::Mutex::new(Some(client)),
+            reconnects: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The live client, connecting again first if the last one broke.
+    pub async fn client(&self) -> Result<PgClient<'_>, StoreError> {
+        let mut g = self.client.lock().await;
+        if g.as_ref().is_none_or(Client::is_closed) {
+            *g = None;
+            let c = open(&self.url, self.connect_timeout).await?;
+            let n = self.reconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            tracing::info!(reconnects = n, "postgres connection made again");
+            *g = Some(c);
+        }
+        Ok(PgClient(g))
+    }
+
+    /// How many times a broken connection was made again.
+    #[must_use]
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 fn pg(e: &tokio_postgres::Error) -> StoreError {
@@ -47,23 +138,14 @@ async fn within<T>(d: Duration, f: impl std::future::Future<Output = Result<T, S
 impl PostgresStore {
     /// Connects (`DATABASE_URL` form) and applies the migration.
     pub async fn connect(url: &str, op_timeout: Duration) -> Result<Self, StoreError> {
-        let (client, conn) = within(op_timeout.max(Duration::from_secs(5)), async {
-            tokio_postgres::connect(url, NoTls).await.map_err(|e| pg(&e))
-        })
-        .await?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::error!(error = %e, "postgres connection ended");
-            }
-        });
-        client.batch_execute(MIGRATION).await.map_err(|e| pg(&e))?;
-        Ok(Self { client: tokio::sync::Mutex::new(client), op_timeout })
+        let conn = PgConn::connect(url, op_timeout.max(Duration::from_secs(5)), MIGRATION).await?;
+        Ok(Self { conn, op_timeout })
     }
 
     /// Reads a relay's cursor.
     pub async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
-        let c = self.client.lock().await;
         within(self.op_timeout, async {
+            let c = self.conn.client().await?;
             let row = c
                 .query_opt("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
                 .await
@@ -86,8 +168,8 @@ impl PostgresStore {
     /// it at startup, so a lease store that lost its counter cannot issue tokens this
     /// table would refuse.
     pub async fn fence_token(&self) -> Result<u64, StoreError> {
-        let c = self.client.lock().await;
         within(self.op_timeout, async {
+            let c = self.conn.client().await?;
             let row = c.query_opt("SELECT token FROM firekeeper_fence WHERE id", &[]).await.map_err(|e| pg(&e))?;
             row.map_or(Ok(0), |r| as_u64(r.get(0), "fence token"))
         })
@@ -96,8 +178,8 @@ impl PostgresStore {
 
     /// Raises the fence to `token` on election; `Fenced` if a newer term already claimed.
     pub async fn claim(&self, token: u64) -> Result<CommitOutcome, StoreError> {
-        let mut c = self.client.lock().await;
         within(self.op_timeout, async {
+            let mut c = self.conn.client().await?;
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
             let out = fence(&tx, token).await?;
             tx.commit().await.map_err(|e| pg(&e))?;
@@ -131,8 +213,8 @@ impl PostgresStore {
         token: u64,
         reset: bool,
     ) -> Result<CommitOutcome, StoreError> {
-        let mut c = self.client.lock().await;
         within(self.op_timeout, async {
+            let mut c = self.conn.client().await?;
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
             let out = if reset {
                 Self::reset_in(&tx, fingerprint, cursor, token).await?
@@ -234,8 +316,8 @@ impl PostgresStore {
 
     /// The relay time kept with a relay's cursor (`None`: stored without one).
     pub async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
-        let c = self.client.lock().await;
         within(self.op_timeout, async {
+            let c = self.conn.client().await?;
             let row = c
                 .query_opt("SELECT time_ms FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
                 .await
@@ -247,8 +329,8 @@ impl PostgresStore {
 
     /// The relay the last committing leader was on.
     pub async fn active_relay(&self) -> Result<Option<String>, StoreError> {
-        let c = self.client.lock().await;
         within(self.op_timeout, async {
+            let c = self.conn.client().await?;
             let row =
                 c.query_opt("SELECT relay FROM firekeeper_active_relay WHERE id", &[]).await.map_err(|e| pg(&e))?;
             Ok(row.map(|r| r.get(0)))
@@ -259,8 +341,8 @@ impl PostgresStore {
     /// Operator override (`firekeeper cursor set`).
     pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;
-        let c = self.client.lock().await;
         within(self.op_timeout, async {
+            let c = self.conn.client().await?;
             c.execute(
                 "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, 0)
                  ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, time_ms = NULL, updated_at = now()",
@@ -306,8 +388,8 @@ impl crate::CursorStore for PostgresStore {
     }
 
     async fn write_repo(&self, w: crate::RepoWrite<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        let mut c = self.client.lock().await;
         within(self.op_timeout, async {
+            let mut c = self.conn.client().await?;
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
             if let Some(current) = self::fence(&tx, fence.token).await? {
                 return Ok(CommitOutcome::Fenced { current: Some(current) });
@@ -330,8 +412,8 @@ impl crate::CursorStore for PostgresStore {
     }
 
     async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
-        let c = self.client.lock().await;
         within(self.op_timeout.max(Duration::from_secs(30)), async {
+            let c = self.conn.client().await?;
             let rows =
                 c.query("SELECT did, state FROM firekeeper_repos ORDER BY did", &[]).await.map_err(|e| pg(&e))?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())

@@ -254,6 +254,17 @@ pub enum HandlerError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The downstream refused the batch for its content (it would refuse it every time):
+    /// the lane writes it in halves to find the events refused, and hands each over as
+    /// `#invalid` (`unstorable`) under the skip policy, or stops under fail.
+    #[error("{what} refused the batch: {source}")]
+    Refused {
+        /// Which downstream.
+        what: String,
+        /// What it said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Anything else: retried with backoff while the term lasts. Keeps its cause.
     #[error("{what}: {source}")]
     Failed {
@@ -269,6 +280,11 @@ impl HandlerError {
     /// A retryable failure of `what`, keeping `source` (an error, or a message) as its cause.
     pub fn failed(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self::Failed { what: what.into(), source: source.into() }
+    }
+
+    /// `what` refused the batch for its content, keeping `source` as its cause.
+    pub fn refused(what: impl Into<String>, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Refused { what: what.into(), source: source.into() }
     }
 
     /// A failure of `what` the sink cannot recover from, keeping `source` as its cause.
@@ -324,5 +340,12 @@ pub trait Handler: Send + Sync + 'static {
     /// writes (the consumer then runs one lane and never commits on its own).
     fn commits_cursor(&self) -> bool {
         false
+    }
+
+    /// After this many failed writes in a row (`Failed`), the term is given up so that
+    /// another replica (with its own connection) may take over; `None` (the default):
+    /// retried while the term lasts.
+    fn give_up_after(&self) -> Option<u32> {
+        None
     }
 }

@@ -24,6 +24,8 @@ pub const OUTDATED_CURSOR: &str = "firekeeper_outdated_cursor_total";
 pub const RECORD_ERRORS: &str = "firekeeper_record_errors_total";
 /// Failed handler writes (retried).
 pub const SINK_ERRORS: &str = "firekeeper_sink_errors_total";
+/// Events the sink refused for their content (handed over as `#invalid` or stopped).
+pub const UNSTORABLE: &str = "firekeeper_sink_unstorable_total";
 /// 1 while this replica leads.
 pub const LEADER: &str = "firekeeper_leader";
 /// Age of the newest delivered event.
@@ -84,6 +86,11 @@ pub const ALL: &[Metric] = &[
     counter(OUTDATED_CURSOR, "OutdatedCursor notices (events were missed)", &[]),
     counter(RECORD_ERRORS, "records that could not be decoded (written as null)", &[]),
     counter(SINK_ERRORS, "failed sink writes (retried)", &[]),
+    counter(
+        UNSTORABLE,
+        "events the sink refused for their content (handed over as #invalid unstorable, or the consumer stopped)",
+        &[],
+    ),
     counter(SWITCH_DUPLICATES, "events dropped after a relay switch as already handed over", &[]),
     counter(SWITCH_PROBES, "probes made to find where to resume on a relay switched to", &[]),
     counter(SWITCH_REFUSED, "relay switches refused: the target does not reach back to the position", &[]),

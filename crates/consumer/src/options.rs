@@ -18,6 +18,10 @@ pub struct Options {
     pub commit_interval: Duration,
     /// How long a voluntary step-down may drain before the lease is left to expire.
     pub drain_budget: Duration,
+    /// When no commit landed for this long while there was something to commit (the
+    /// cursor store does not take commits), intake waits: what a crash can repeat stays
+    /// bounded by what was handed over in this long.
+    pub uncommitted_max: Duration,
     /// Only commits touching these collections reach the handler; JSON keeps only
     /// matching ops. `None` keeps everything.
     pub collections: Option<CollectionFilter>,
@@ -50,6 +54,7 @@ impl Default for Options {
             queue_depth: 1024,
             commit_interval: Duration::from_secs(1),
             drain_budget: Duration::from_secs(10),
+            uncommitted_max: Duration::from_secs(10),
             collections: None,
             verify_blocks: false,
             switch_overlap: Duration::from_secs(30),

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use checkpoint::Watermark;
 use checkpoint::watermark::WatermarkError;
+use relay_client::BadFramePolicy;
 use relay_client::backoff::{Backoff, BackoffConfig};
 use relay_client::json::Written;
 use tokio::sync::mpsc;
@@ -68,6 +69,8 @@ pub(crate) struct Shape {
     pub(crate) status: StatusHandle,
     /// Where desynchronised repos are kept (the cursor store).
     pub(crate) store: Arc<dyn checkpoint::CursorStore>,
+    /// What an event the sink refuses for its content does (the bad-frame policy).
+    pub(crate) unstorable: BadFramePolicy,
 }
 
 impl Shape {
@@ -117,6 +120,8 @@ impl Pipeline {
                 chain_breaks: shape.chain_breaks,
                 status: shape.status.clone(),
                 store: shape.store.clone(),
+                failures: std::sync::atomic::AtomicU32::new(0),
+                unstorable: shape.unstorable,
             };
             tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
         }
@@ -229,6 +234,9 @@ struct Lane {
     chain_breaks: Option<ChainBreaks>,
     status: StatusHandle,
     store: Arc<dyn checkpoint::CursorStore>,
+    /// Failed writes in a row (for [`Handler::give_up_after`]).
+    failures: std::sync::atomic::AtomicU32,
+    unstorable: BadFramePolicy,
 }
 
 /// A submitted batch whose write is not yet durable.
@@ -316,6 +324,15 @@ impl Lane {
                                 held += batch.len();
                                 inflight.push_back(InFlight { batch, seqs, pending });
                             }
+                            Err(HandlerError::Refused { .. }) if inflight.is_empty() => {
+                                let r = Box::pin(self.isolate(&mut batch, &mut scratch, &mut seqs)).await;
+                                // What was written before a stop counts.
+                                let _ = done.send(Ok(seqs));
+                                if let Err(e) = r {
+                                    let _ = done.send(Err(LaneStop::Handler(e)));
+                                    return;
+                                }
+                            }
                             Err(e) => {
                                 let _ = done.send(Err(LaneStop::Handler(e)));
                                 return;
@@ -354,6 +371,7 @@ impl Lane {
         };
         match r {
             Ok(()) => {
+                self.failures.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.status.sink_ok();
                 f.seqs.extend(f.batch.iter().map(Event::seq));
                 let _ = done.send(Ok(f.seqs));
@@ -393,11 +411,90 @@ impl Lane {
         }
     }
 
+    /// Writes `batch` until it is durable (a `Failed` write is written again); `Refused`
+    /// and the term's end come back.
+    async fn write_whole(&self, batch: &[Event]) -> Result<(), HandlerError> {
+        let mut pending = self.submit(batch).await?;
+        match pending.as_mut().await {
+            Err(e @ HandlerError::Failed { .. }) => self.rewrite(batch, e).await,
+            r => r,
+        }
+    }
+
+    /// The downstream refused `batch` for its content: writes it in halves until each
+    /// event it refuses is found, and hands that over as `#invalid` (`unstorable`). The
+    /// seqs handed over are added to `written` as they are.
+    async fn isolate(
+        &self,
+        batch: &mut [Event],
+        scratch: &mut String,
+        written: &mut Vec<u64>,
+    ) -> Result<(), HandlerError> {
+        if let [e] = batch {
+            self.unstorable(e, scratch).await?;
+            written.push(e.seq());
+            return Ok(());
+        }
+        let mid = batch.len() / 2;
+        let (left, right) = batch.split_at_mut(mid);
+        for half in [left, right] {
+            match self.write_whole(half).await {
+                Err(HandlerError::Refused { .. }) => Box::pin(self.isolate(half, scratch, written)).await?,
+                r => {
+                    r?;
+                    written.extend(half.iter().map(Event::seq));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One event the downstream refuses: under the `fail` policy the consumer stops
+    /// (everything before it committed); under `skip` it is handed over as `#invalid`
+    /// (`unstorable`), and dropped, counted, if even that is refused.
+    async fn unstorable(&self, e: &mut Event, scratch: &mut String) -> Result<(), HandlerError> {
+        metrics::counter!(m::UNSTORABLE).increment(1);
+        let seq = e.seq();
+        if self.unstorable == BadFramePolicy::Fail {
+            return Err(HandlerError::fatal(
+                "sink",
+                format!("the downstream refuses seq {seq} for its content (bad-frame policy `fail`)"),
+            ));
+        }
+        tracing::error!(
+            seq,
+            "the downstream refuses this event for its content: handing it over as #invalid (unstorable)"
+        );
+        let (repo, rev, commit) = match e.message() {
+            relay_client::Message::Commit(c) => (c.repo.to_owned(), Some(c.rev.to_owned()), Some(c.commit.to_string())),
+            m => (m.did().unwrap_or_default().to_owned(), None, None),
+        };
+        let detail = "the sink refused the event for its content".to_owned();
+        e.set_invalid(Invalid { repo, rev, commit, reason: crate::verify::Reason::Unstorable, detail });
+        if let Some(r) = &self.render {
+            render_batch(std::slice::from_mut(e), r, scratch);
+        }
+        match self.write_whole(std::slice::from_ref(e)).await {
+            Err(HandlerError::Refused { .. }) => {
+                tracing::error!(seq, "the downstream refuses even the #invalid event: dropped");
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
     /// Counts and logs a failed write, then waits out the backoff (`Cancelled` when the
     /// term ends first).
     async fn back_off(&self, e: &HandlerError, backoff: &mut Backoff, events: usize) -> Result<(), HandlerError> {
         metrics::counter!(m::SINK_ERRORS).increment(1);
         self.status.sink_failed(&e.to_string());
+        let failed = self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if let Some(limit) = self.handler.give_up_after()
+            && failed >= limit
+        {
+            tracing::error!(error = %e, failed, "the sink failed this many writes in a row: giving up the term, so that a replica with its own connection may take over");
+            return Err(HandlerError::failed("sink", format!("{failed} failed writes in a row; the last: {e}")));
+        }
         let delay = backoff.next_delay();
         tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, events, "sink write failed; retrying");
         tokio::select! {

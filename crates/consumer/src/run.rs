@@ -96,6 +96,7 @@ impl Consumer {
             chain_breaks: (settings.options.chain_repos > 0).then_some(settings.options.chain_breaks),
             status: status.clone(),
             store: store.clone(),
+            unstorable: settings.client.bad_frame,
         };
         let cx = Ctx {
             settings: &settings,
@@ -140,6 +141,7 @@ async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> R
                 let token = term.token();
                 let end = term::run_term(cx, term).await;
                 ::metrics::gauge!(metrics::LEADER).set(0.0);
+                cx.status.term_over();
                 cx.status.update(|s| {
                     s.role = Role::Standby;
                     s.token = None;

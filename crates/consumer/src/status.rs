@@ -86,6 +86,8 @@ pub struct Status {
     pub desynchronized: usize,
     /// The sink's writes are failing (and retried): not ready while set.
     pub sink_failing: Option<SinkFailing>,
+    /// The cursor store has taken no commit for `uncommitted_max`: intake waits, not ready.
+    pub commit_stalled: bool,
 }
 
 /// A sink whose writes keep failing.
@@ -111,6 +113,7 @@ struct Inner {
     ready: AtomicBool,
     refused: AtomicBool,
     sink_failing: AtomicBool,
+    commit_stalled: AtomicBool,
     desync: Arc<crate::verify::Desync>,
 }
 
@@ -123,6 +126,7 @@ impl Default for StatusHandle {
             ready: AtomicBool::new(false),
             refused: AtomicBool::new(false),
             sink_failing: AtomicBool::new(false),
+            commit_stalled: AtomicBool::new(false),
             desync: Arc::default(),
         }))
     }
@@ -156,6 +160,24 @@ impl StatusHandle {
         self.0.ready.load(Ordering::Relaxed)
             && !self.0.refused.load(Ordering::Relaxed)
             && !self.0.sink_failing.load(Ordering::Relaxed)
+            && !self.0.commit_stalled.load(Ordering::Relaxed)
+    }
+
+    /// A term is over: what only a leader can be (a failing sink, stalled commits) is not
+    /// shown on a standby.
+    pub(crate) fn term_over(&self) {
+        self.0.sink_failing.store(false, Ordering::Relaxed);
+        self.0.commit_stalled.store(false, Ordering::Relaxed);
+        self.update(|s| {
+            s.sink_failing = None;
+            s.commit_stalled = false;
+        });
+    }
+
+    /// Shows (or clears) that commits do not land and intake waits.
+    pub(crate) fn set_commit_stalled(&self, stalled: bool) {
+        self.0.commit_stalled.store(stalled, Ordering::Relaxed);
+        self.update(|s| s.commit_stalled = stalled);
     }
 
     /// A sink write failed (it is retried): shown in `/status`, not ready meanwhile.

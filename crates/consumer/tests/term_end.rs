@@ -155,3 +155,59 @@ async fn a_fatal_sink_error_commits_what_came_before_and_stops() {
     let store_cursor = c.status.snapshot().committed.expect("committed");
     assert_eq!(store_cursor, last, "committed up to just before the failed batch");
 }
+
+/// Refuses, for its content, any batch holding seq `poison` as itself (a webhook answering
+/// 400, a database refusing a value): it would every time.
+struct Refuses {
+    poison: u64,
+    took: std::sync::Mutex<Vec<(u64, Option<String>)>>,
+}
+
+#[async_trait]
+impl Handler for Refuses {
+    async fn handle(&self, batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        if batch.iter().any(|e| e.seq() == self.poison && e.invalid().is_none()) {
+            return Err(HandlerError::refused("test sink", "HTTP 400"));
+        }
+        let mut took = self.took.lock().expect("took");
+        took.extend(batch.iter().map(|e| (e.seq(), e.invalid().map(|i| i.reason.as_str().to_owned()))));
+        Ok(())
+    }
+}
+
+/// Issue 39: one record the downstream refuses stalled the whole stream, retried for ever.
+/// Now the batch is written in halves until the refused event is found; under the skip
+/// policy it is handed over as `#invalid` (`unstorable`) and everything else arrives; under
+/// fail the consumer stops with everything before it committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_sink_refuses_is_isolated_and_handed_over_as_unstorable_or_stops() {
+    for policy in [relay_client::BadFramePolicy::Skip, relay_client::BadFramePolicy::Fail] {
+        let h = Arc::new(Refuses { poison: 700, took: std::sync::Mutex::new(Vec::new()) });
+        let options = Options { lanes: 1, commit_interval: Duration::from_millis(20), ..Options::default() };
+        let c = local::Local::start_with_client(
+            testkit::fixture_frames(),
+            h.clone(),
+            options,
+            &format!("refused-{policy:?}"),
+            relay_client::ClientConfig { bad_frame: policy, ..relay_client::ClientConfig::default() },
+        )
+        .await;
+        if policy == relay_client::BadFramePolicy::Skip {
+            testkit::eventually("every event", testkit::WAIT, async || c.status.snapshot().committed >= Some(1476))
+                .await;
+            let took = h.took.lock().expect("took").clone();
+            let mut seqs: Vec<u64> = took.iter().map(|t| t.0).collect();
+            seqs.sort_unstable();
+            assert_eq!(seqs, (1..=1476).collect::<Vec<u64>>(), "every event once");
+            let poison = took.iter().find(|t| t.0 == 700).expect("the refused event");
+            assert_eq!(poison.1.as_deref(), Some("unstorable"), "handed over as #invalid");
+            assert!(took.iter().filter(|t| t.1.is_some()).count() == 1, "only it");
+            c.stop().await;
+        } else {
+            let err =
+                tokio::time::timeout(testkit::WAIT, c.run).await.expect("stops").expect("join").expect_err("stops");
+            assert!(err.to_string().contains("refuses seq 700"), "{err}");
+            assert_eq!(c.status.snapshot().committed, Some(699), "everything before it committed");
+        }
+    }
+}

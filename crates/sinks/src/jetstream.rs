@@ -40,6 +40,8 @@ use nats_op::async_nats::{HeaderMap, header};
 use nats_op::{Nats, NatsError};
 use relay_client::Message;
 
+use crate::{event_key, fnv};
+
 /// The client-side bound on unacknowledged publishes: none to speak of (the lanes bound
 /// them with `max_pending`).
 const UNBOUNDED_ACKS: usize = 1 << 24;
@@ -115,25 +117,6 @@ fn did_hash(did: &str) -> u64 {
 }
 
 /// FNV-1a, continued from `h`.
-fn fnv(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
-}
-
-/// What names an event whatever its seq: a `#commit`/`#sync` by repo and rev, an
-/// `#identity`/`#account` by DID and time, anything else by its frame. Stable across
-/// versions and processes (a replay by another leader must get the same key).
-fn event_key(e: &Event) -> u64 {
-    let seed = 0xcbf2_9ce4_8422_2325;
-    let (a, b) = match e.message() {
-        Message::Commit(c) => (c.repo, c.rev),
-        Message::Sync(s) => (s.did, s.rev),
-        Message::Identity(i) => (i.did, i.time),
-        Message::Account(a) => (a.did, a.time),
-        _ => return fnv(seed, e.bytes()),
-    };
-    fnv(fnv(fnv(seed, a.as_bytes()), &[0]), b.as_bytes())
-}
-
 /// Creates the stream with `config` unless it exists.
 async fn create_stream(nats: &Nats, config: &stream::Config) -> Result<stream::Stream, NatsError> {
     let js = nats.jetstream().clone();

@@ -10,6 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use checkpoint::{CommitOutcome, PostgresStore};
 use consumer::{BatchCtx, Event, Handler, HandlerError};
+use relay_client::Message;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex;
 
@@ -35,15 +36,37 @@ pub enum OpenError {
     },
     /// Postgres could not be reached or refused the schema.
     #[error("{what}: {source}")]
-    Postgres {
+    Store {
         /// The step that failed.
         what: &'static str,
         /// Why.
-        source: tokio_postgres::Error,
+        #[source]
+        source: checkpoint::StoreError,
     },
     /// The HTTP client could not be built.
     #[error("webhook client: {0}")]
     Http(#[from] reqwest::Error),
+}
+
+/// FNV-1a over `bytes` from `h`.
+pub(crate) fn fnv(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// What names an event whatever its seq: a `#commit`/`#sync` by repo and rev, an
+/// `#identity`/`#account` by DID and time, anything else by its frame. Stable across
+/// versions and processes (a replay by another leader must get the same key).
+#[must_use]
+pub fn event_key(e: &Event) -> u64 {
+    let seed = 0xcbf2_9ce4_8422_2325;
+    let (a, b) = match e.message() {
+        Message::Commit(c) => (c.repo, c.rev),
+        Message::Sync(s) => (s.did, s.rev),
+        Message::Identity(i) => (i.did, i.time),
+        Message::Account(a) => (a.did, a.time),
+        _ => return fnv(seed, e.bytes()),
+    };
+    fnv(fnv(fnv(seed, a.as_bytes()), &[0]), b.as_bytes())
 }
 
 /// The JSON line of an event: `{"seq","relay","token","event"}`, preceded, when the
@@ -246,6 +269,9 @@ impl Handler for Webhook {
                     resp.headers().get("location").and_then(|l| l.to_str().ok()).map(redact_location)
                 ),
             ))
+        } else if status.is_client_error() && ![408, 425, 429].contains(&status.as_u16()) {
+            // The receiver refuses this batch for what it holds: it would every time.
+            Err(HandlerError::refused("webhook", format!("answered HTTP {}", status.as_u16())))
         } else {
             Err(HandlerError::failed("webhook", format!("answered HTTP {}", status.as_u16())))
         }
@@ -262,36 +288,49 @@ impl Handler for Webhook {
 
 /// Rows in `firekeeper_events`, with the cursor (and the relay time at it, and the relay
 /// the leader is on) committed in the same transaction and fenced by the token.
-pub struct Postgres(Mutex<tokio_postgres::Client>);
+///
+/// A row is named by its relay, seq and event key, so a replay of the same event is not
+/// stored twice while a new event under an old seq (a relay that renumbered) is. The
+/// connection is made again after it broke (a restart, a failover); after
+/// [`PG_GIVE_UP`] failed writes in a row the term is given up, so that a replica with a
+/// working connection may take over. A record Postgres cannot keep as jsonb (a NUL
+/// character) is kept as its JSON text in `body_text`.
+pub struct Postgres {
+    conn: checkpoint::postgres_store::PgConn,
+}
+
+/// Failed writes in a row after which the Postgres sink gives up the term: with the
+/// lane's backoff (100 ms doubling to 10 s), about 25 s of failing.
+pub const PG_GIVE_UP: u32 = 8;
+
+/// The schema the Postgres sink needs, its cursor's included.
+fn pg_schema() -> String {
+    [checkpoint::postgres_store::MIGRATION, EVENTS_MIGRATION, CHAIN_BREAKS_MIGRATION, EVENT_KEYS_MIGRATION].concat()
+}
+
+/// Rows named by event, bodies Postgres cannot keep as jsonb kept as text.
+pub const EVENT_KEYS_MIGRATION: &str = include_str!("../../../migrations/0006_event_keys.sql");
 
 impl Postgres {
     /// Connects and applies the cursor and events schemas.
     pub async fn connect(url: &str) -> Result<Self, OpenError> {
-        let pg = |what| move |source| OpenError::Postgres { what, source };
-        let (client, conn) =
-            tokio_postgres::connect(url, tokio_postgres::NoTls).await.map_err(pg("connecting to DATABASE_URL"))?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::error!(error = %e, "postgres sink connection ended");
-            }
-        });
-        Self::with_client(client).await
+        let conn = checkpoint::postgres_store::PgConn::connect(url, Duration::from_secs(10), &pg_schema())
+            .await
+            .map_err(|e| OpenError::Store { what: "connecting to DATABASE_URL", source: e })?;
+        Ok(Self { conn })
     }
 
-    /// Uses a connected client (its connection task is the caller's).
-    pub async fn with_client(client: tokio_postgres::Client) -> Result<Self, OpenError> {
-        let pg = |what| move |source| OpenError::Postgres { what, source };
-        client.batch_execute(checkpoint::postgres_store::MIGRATION).await.map_err(pg("cursor schema"))?;
-        client.batch_execute(EVENTS_MIGRATION).await.map_err(pg("events schema"))?;
-        client.batch_execute(CHAIN_BREAKS_MIGRATION).await.map_err(pg("chain-breaks schema"))?;
-        Ok(Self(Mutex::new(client)))
+    /// How many times the connection was made again.
+    #[must_use]
+    pub fn reconnects(&self) -> u64 {
+        self.conn.reconnects()
     }
 }
 
 #[async_trait]
 impl Handler for Postgres {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        let mut c = self.0.lock().await;
+        let mut c = self.conn.client().await.map_err(|e| HandlerError::failed("postgres connection", e))?;
         pg_write(&mut c, batch, ctx).await
     }
 
@@ -302,15 +341,67 @@ impl Handler for Postgres {
     fn commits_cursor(&self) -> bool {
         true
     }
+
+    fn give_up_after(&self) -> Option<u32> {
+        Some(PG_GIVE_UP)
+    }
+}
+
+/// A data error of Postgres (class 22, or a program limit, class 54): the content, not
+/// the connection.
+fn content_error(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("54"))
+}
+
+/// The batch's rows: seqs, kinds, DIDs, event keys, and bodies as jsonb or as text.
+struct Rows<'a> {
+    seqs: Vec<i64>,
+    kinds: Vec<&'static str>,
+    dids: Vec<Option<&'a str>>,
+    keys: Vec<String>,
+    json: Vec<Option<&'a str>>,
+    text: Vec<Option<&'a str>>,
+}
+
+impl<'a> Rows<'a> {
+    /// Bodies as jsonb, but those with a NUL (which jsonb cannot hold) as text; with
+    /// `all_text`, every body as text.
+    fn new(batch: &'a [Event], rendered: &'a [String], all_text: bool) -> Self {
+        let mut own = rendered.iter();
+        let bodies: Vec<&str> =
+            batch.iter().map(|e| e.json().unwrap_or_else(|| own.next().map_or("null", String::as_str))).collect();
+        let as_text = |b: &str| all_text || b.contains("\\u0000");
+        Self {
+            seqs: batch.iter().map(|e| i64::try_from(e.seq()).unwrap_or(i64::MAX)).collect(),
+            kinds: batch.iter().map(Event::type_name).collect(),
+            dids: batch.iter().map(Event::did).collect(),
+            keys: batch.iter().map(|e| format!("{:016x}", event_key(e))).collect(),
+            json: bodies.iter().map(|b| (!as_text(b)).then_some(*b)).collect(),
+            text: bodies.iter().map(|b| as_text(b).then_some(*b)).collect(),
+        }
+    }
+}
+
+async fn insert_events(
+    tx: &impl tokio_postgres::GenericClient,
+    rows: &Rows<'_>,
+    ctx: &BatchCtx,
+) -> Result<u64, tokio_postgres::Error> {
+    let token = i64::try_from(ctx.token).unwrap_or(i64::MAX);
+    tx.execute(
+        "INSERT INTO firekeeper_events (relay, seq, token, kind, did, event_key, body, body_text)
+         SELECT $1, s, $2, k, d, e, b::jsonb, t
+         FROM UNNEST($3::bigint[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[]) AS x(s, k, d, e, b, t)
+         ON CONFLICT (relay, seq, event_key) DO NOTHING",
+        &[&ctx.fingerprint, &token, &rows.seqs, &rows.kinds, &rows.dids, &rows.keys, &rows.json, &rows.text],
+    )
+    .await
 }
 
 async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
     let pg = |e: tokio_postgres::Error| HandlerError::failed("postgres", e);
     let Some(last) = batch.last() else { return Ok(()) };
-    let tx = c.transaction().await.map_err(pg)?;
-    let seqs: Vec<i64> = batch.iter().map(|e| i64::try_from(e.seq()).unwrap_or(i64::MAX)).collect();
-    let kinds: Vec<&str> = batch.iter().map(Event::type_name).collect();
-    let dids: Vec<Option<&str>> = batch.iter().map(Event::did).collect();
+    let mut tx = c.transaction().await.map_err(pg)?;
     let rendered: Vec<String> = batch
         .iter()
         .filter(|e| e.json().is_none())
@@ -320,28 +411,34 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
             s
         })
         .collect();
-    let mut own = rendered.iter();
-    let bodies: Vec<&str> =
-        batch.iter().map(|e| e.json().unwrap_or_else(|| own.next().map_or("null", String::as_str))).collect();
+    // A body Postgres refuses for its content would fail the batch on every retry: the
+    // batch is written again with every body as text (a savepoint keeps the transaction).
+    let rows = Rows::new(batch, &rendered, false);
+    let sp = tx.savepoint("rows").await.map_err(pg)?;
+    match insert_events(&sp, &rows, ctx).await {
+        Ok(_) => sp.commit().await.map_err(pg)?,
+        Err(e) if content_error(&e) => {
+            tracing::warn!(error = %e, events = batch.len(), "postgres refused a body for its content: keeping the batch's bodies as text");
+            sp.rollback().await.map_err(pg)?;
+            match insert_events(&tx, &Rows::new(batch, &rendered, true), ctx).await {
+                Err(e) if content_error(&e) => return Err(HandlerError::refused("postgres", e)),
+                r => r.map_err(pg)?,
+            };
+        }
+        Err(e) => return Err(pg(e)),
+    }
     let token = i64::try_from(ctx.token).unwrap_or(i64::MAX);
-    tx.execute(
-        "INSERT INTO firekeeper_events (relay, seq, token, kind, did, body)
-         SELECT $1, s, $2, k, d, b::jsonb FROM UNNEST($3::bigint[], $4::text[], $5::text[], $6::text[]) AS t(s, k, d, b)
-         ON CONFLICT (relay, seq) DO NOTHING",
-        &[&ctx.fingerprint, &token, &seqs, &kinds, &dids, &bodies],
-    )
-    .await
-    .map_err(pg)?;
-    let breaks: Vec<(i64, &consumer::ChainBreak)> =
-        batch.iter().filter_map(|e| Some((i64::try_from(e.seq()).unwrap_or(i64::MAX), e.chain_break()?))).collect();
+    let breaks: Vec<(usize, &consumer::ChainBreak)> =
+        batch.iter().enumerate().filter_map(|(i, e)| Some((i, e.chain_break()?))).collect();
     if !breaks.is_empty() {
         let col = |f: fn(&consumer::ChainBreak) -> &str| breaks.iter().map(|(_, b)| f(b)).collect::<Vec<&str>>();
-        let seqs: Vec<i64> = breaks.iter().map(|(s, _)| *s).collect();
+        let seqs: Vec<i64> = breaks.iter().map(|(i, _)| rows.seqs[*i]).collect();
+        let keys: Vec<&str> = breaks.iter().map(|(i, _)| rows.keys[*i].as_str()).collect();
         tx.execute(
-            "INSERT INTO firekeeper_chain_breaks (relay, seq, token, did, last_rev, since, rev)
-             SELECT $1, s, $2, d, l, p, r
-             FROM UNNEST($3::bigint[], $4::text[], $5::text[], $6::text[], $7::text[]) AS t(s, d, l, p, r)
-             ON CONFLICT (relay, seq) DO NOTHING",
+            "INSERT INTO firekeeper_chain_breaks (relay, seq, token, did, last_rev, since, rev, event_key)
+             SELECT $1, s, $2, d, l, p, r, e
+             FROM UNNEST($3::bigint[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[]) AS t(s, d, l, p, r, e)
+             ON CONFLICT (relay, seq, event_key) DO NOTHING",
             &[
                 &ctx.fingerprint,
                 &token,
@@ -350,6 +447,7 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
                 &col(|b| &b.last_rev),
                 &col(|b| &b.since),
                 &col(|b| &b.rev),
+                &keys,
             ],
         )
         .await

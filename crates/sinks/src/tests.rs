@@ -177,7 +177,7 @@ async fn a_postgres_batch_that_waited_on_a_lock_past_the_deadline_is_rolled_back
     tx.rollback().await.expect("unlock");
     let outcome = write.await.expect("join");
     assert!(matches!(outcome, Err(HandlerError::Cancelled)), "{outcome:?}");
-    let db = sink.0.lock().await;
+    let db = pg_client(&pg).await;
     let rows: i64 = db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
     let cursors: i64 = db.query_one("SELECT count(*) FROM firekeeper_cursors", &[]).await.expect("count").get(0);
     assert_eq!((rows, cursors), (0, 0), "neither rows nor cursor landed");
@@ -259,7 +259,7 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     let seq = i64::try_from(last.seq()).expect("seq");
     evs.push(last);
     sink.handle(&evs, &ctx).await.expect("written");
-    let db = sink.0.lock().await;
+    let db = pg_client(&pg).await;
     let rows: i64 = db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
     assert_eq!(rows, 3, "every event, the one with the break included");
     let b = db
@@ -278,6 +278,109 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     let active: String =
         db.query_one("SELECT relay FROM firekeeper_active_relay", &[]).await.expect("active relay").get(0);
     assert_eq!(active, "fp");
+    lease.abandon().await;
+}
+
+/// A client of the test's Postgres (its connection runs in a task of its own).
+async fn pg_client(pg: &testkit::PgServer) -> tokio_postgres::Client {
+    let (c, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    c
+}
+
+/// `n` fixture events from the `skip`th on, renumbered from `first`: new events under
+/// seqs another batch already used (a relay that restarted its numbering).
+fn renumbered(skip: usize, n: usize, first: u64) -> Vec<Event> {
+    testkit::fixture_frames()
+        .iter()
+        .skip(skip)
+        .take(n)
+        .zip(first..)
+        .filter_map(|(f, seq)| {
+            Event::from_bytes(&relay_sim::with_seq(f, seq).expect("seq"), RelayRole::Primary).ok()?
+        })
+        .collect()
+}
+
+/// An `#identity` event whose handle holds a NUL character (valid in atproto JSON; any
+/// account can send one): Postgres cannot keep it as jsonb.
+fn identity_with_nul(seq: u64) -> Event {
+    let mut w = relay_client::cbor::Writer::new();
+    w.map(2).str("t").str("#identity").str("op").int(1);
+    w.map(4).str("did").str("did:plc:nulnulnulnulnulnulnulnul").str("seq").int(i64::try_from(seq).expect("seq"));
+    w.str("time").str("2026-12-02T10:17:24.747Z").str("handle").str("bad\u{0}handle.test");
+    Event::from_bytes(&w.buf, RelayRole::Primary).expect("decodes").expect("an event")
+}
+
+/// Issue 39: rows were keyed by (relay, seq) and inserted ON CONFLICT DO NOTHING, so a
+/// relay that restarted its numbering had its new events taken for replays (0 of 100
+/// stored). Now a row is named by its event: a replay is still not stored twice, a new
+/// event under an old seq is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_sink_stores_new_events_under_old_seqs_and_not_a_replay_twice() {
+    let pg = testkit::PgServer::start();
+    let dir = testkit::tmpdir("sink-pg-renumbered");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let sink = Postgres::connect(&pg.url()).await.expect("pg");
+    let first = renumbered(0, 50, 1);
+    sink.handle(&first, &ctx).await.expect("written");
+    sink.handle(&first, &ctx).await.expect("a replay");
+    let db = pg_client(&pg).await;
+    let count =
+        async || -> i64 { db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0) };
+    assert_eq!(count().await, 50, "a replay is not stored twice");
+    sink.handle(&renumbered(100, 50, 1), &ctx).await.expect("renumbered");
+    assert_eq!(count().await, 100, "new events under old seqs are stored");
+    lease.abandon().await;
+}
+
+/// Issue 39: a record holding a NUL character failed its batch on every retry and the one
+/// Postgres lane waited behind it for ever. Now it is kept as its JSON text in
+/// `body_text`, beside the batch's other rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_postgres_cannot_keep_as_jsonb_is_kept_as_text_and_stalls_nothing() {
+    let pg = testkit::PgServer::start();
+    let dir = testkit::tmpdir("sink-pg-nul");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let sink = Postgres::connect(&pg.url()).await.expect("pg");
+    let mut batch = renumbered(0, 3, 1);
+    batch.push(identity_with_nul(4));
+    sink.handle(&batch, &ctx).await.expect("the batch lands");
+    let db = pg_client(&pg).await;
+    let row = db
+        .query_one("SELECT body IS NULL, body_text FROM firekeeper_events WHERE seq = 4", &[])
+        .await
+        .expect("the NUL event's row");
+    let (no_json, text): (bool, Option<String>) = (row.get(0), row.get(1));
+    assert!(no_json, "not as jsonb");
+    let text = text.expect("as text");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("the text is the event's JSON");
+    assert_eq!(v["handle"], "bad\u{0}handle.test");
+    let jsonb: i64 =
+        db.query_one("SELECT count(*) FROM firekeeper_events WHERE body IS NOT NULL", &[]).await.expect("n").get(0);
+    assert_eq!(jsonb, 3, "the others as jsonb");
+    lease.abandon().await;
+}
+
+/// Issue 39: the sink held one client and never replaced it: after a Postgres restart
+/// every write failed ("connection closed") for ever. Now the connection is made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_sink_writes_again_after_postgres_restarts() {
+    let mut pg = testkit::PgServer::start();
+    let dir = testkit::tmpdir("sink-pg-restart");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let sink = Postgres::connect(&pg.url()).await.expect("pg");
+    sink.handle(&renumbered(0, 10, 1), &ctx).await.expect("before");
+    pg.restart();
+    let next = renumbered(10, 10, 11);
+    testkit::eventually("a write lands after the restart", testkit::WAIT, async || {
+        sink.handle(&next, &ctx).await.is_ok()
+    })
+    .await;
+    assert!(sink.reconnects() >= 1);
+    let db = pg_client(&pg).await;
+    let rows: i64 = db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0);
+    assert_eq!(rows, 20);
     lease.abandon().await;
 }
 

@@ -68,6 +68,25 @@ pub fn firekeeper<S: std::hash::BuildHasher>(env: &HashMap<String, String, S>, a
         .expect("firekeeper binary")
 }
 
+/// [`firekeeper`] with its stdout (the jsonl sink's `-`) written to `stdout`.
+#[must_use]
+pub fn firekeeper_to<S: std::hash::BuildHasher>(
+    env: &HashMap<String, String, S>,
+    args: &[&str],
+    log: &Path,
+    stdout: &Path,
+) -> Child {
+    Command::new(firekeeper_bin())
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env)
+        .stdout(std::fs::File::create(stdout).expect("stdout file"))
+        .stderr(std::fs::File::create(log).expect("log"))
+        .spawn()
+        .expect("firekeeper binary")
+}
+
 /// Runs a subcommand to completion.
 #[must_use]
 pub fn run_once<S: std::hash::BuildHasher>(env: &HashMap<String, String, S>, args: &[&str]) -> Output {

@@ -147,6 +147,31 @@ pub(super) async fn commit(cx: &Ctx<'_>, term: &lease::Term, p: &mut Pipeline, f
 }
 
 impl Leader<'_, '_> {
+    /// Bounds what a crash can replay: when nothing was committed for
+    /// `uncommitted_max` while there was something to commit (the cursor store does not
+    /// take commits), intake waits until a commit lands.
+    fn bound_uncommitted(&mut self) {
+        let committed = self.p.committed;
+        if committed != self.committed_since.0 {
+            self.committed_since = (committed, std::time::Instant::now());
+        }
+        let pending = self.p.watermark.committable().is_some_and(|c| committed.is_none_or(|d| c > d));
+        let stalled = pending && self.committed_since.1.elapsed() >= self.cx.settings.options.uncommitted_max;
+        if stalled != self.commit_stalled {
+            self.commit_stalled = stalled;
+            self.cx.status.set_commit_stalled(stalled);
+            if stalled {
+                tracing::error!(
+                    committed = ?committed,
+                    for_ms = self.committed_since.1.elapsed().as_millis() as u64,
+                    "the cursor store takes no commits: intake waits, so a crash now repeats no more than was handed over before"
+                );
+            } else {
+                tracing::info!(committed = ?committed, "commits land again: intake goes on");
+            }
+        }
+    }
+
     /// A fenced rewind (or first commit) of the stored cursor to `cursor`, retried while
     /// the store is unavailable.
     async fn reset_cursor(&mut self, cursor: u64) -> Result<(), Step> {
@@ -223,6 +248,7 @@ impl Leader<'_, '_> {
                 }
             }
         }
+        self.bound_uncommitted();
         let position = self.p.times.at_cursor();
         if self.overlap.as_ref().is_some_and(|o| o.over(position)) {
             tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");

@@ -231,6 +231,11 @@ struct Leader<'a, 'c> {
     flight: Option<commit::Flight<'c>>,
     /// Ticks since the last cursor write.
     quiet_ticks: u32,
+    /// The committed cursor at the last tick, and since when it stands there.
+    committed_since: (Option<u64>, std::time::Instant),
+    /// Intake waits: nothing was committed for `uncommitted_max` while there was
+    /// something to commit (the store does not take commits).
+    commit_stalled: bool,
 }
 
 impl Leader<'_, '_> {
@@ -241,7 +246,7 @@ impl Leader<'_, '_> {
         let cancel = self.term.cancellation();
         let mut burst = 0usize;
         loop {
-            let has_room = self.p.watermark.has_room();
+            let has_room = self.p.watermark.has_room() && !self.commit_stalled;
             if self.p.has_staged() {
                 // Read on while the socket has frames ready (a bounded burst, so the tick,
                 // the lanes' results and cancellation are still seen); before waiting,

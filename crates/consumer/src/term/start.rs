@@ -202,6 +202,8 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         events: m::EventCounters::new(),
         flight: None,
         quiet_ticks: 0,
+        committed_since: (cursor, std::time::Instant::now()),
+        commit_stalled: false,
     };
     l.begin(role, cursor);
     match l.run().await {

@@ -29,6 +29,17 @@ impl Local {
         Self::start_with_store(frames, handler, options, name, |s| Arc::new(s)).await
     }
 
+    /// [`Local::start`] with these client settings (the bad-frame policy, say).
+    pub async fn start_with_client(
+        frames: Vec<bytes::Bytes>,
+        handler: Arc<dyn Handler>,
+        options: Options,
+        name: &str,
+        client: relay_client::ClientConfig,
+    ) -> Self {
+        Self::start_full(frames, handler, options, name, client, |s| Arc::new(s)).await
+    }
+
     /// [`Local::start`] with the seeded file store handed to `store`, which returns the
     /// store the consumer uses (a wrapper around it, for faults).
     pub async fn start_with_store(
@@ -36,6 +47,17 @@ impl Local {
         handler: Arc<dyn Handler>,
         options: Options,
         name: &str,
+        store: impl FnOnce(checkpoint::FileStore) -> Arc<dyn checkpoint::CursorStore>,
+    ) -> Self {
+        Self::start_full(frames, handler, options, name, relay_client::ClientConfig::default(), store).await
+    }
+
+    async fn start_full(
+        frames: Vec<bytes::Bytes>,
+        handler: Arc<dyn Handler>,
+        options: Options,
+        name: &str,
+        client: relay_client::ClientConfig,
         store: impl FnOnce(checkpoint::FileStore) -> Arc<dyn checkpoint::CursorStore>,
     ) -> Self {
         let sim =
@@ -47,6 +69,7 @@ impl Local {
         file.force(relay.fingerprint(), 0).await.expect("seed");
         let fingerprint = relay.fingerprint().to_owned();
         let consumer = Builder::new(relay)
+            .client(client)
             .lease(Arc::new(lease::LocalBackend::new(&lock)), lease::LeaseConfig::default())
             .shared_store(store(file))
             .shared_handler(handler)

@@ -1,0 +1,431 @@
+//! One sink contract, every sink, through the binary: each scenario is written once and
+//! run against jsonl (a file, and stdout to a file), the webhook, Postgres, JetStream and
+//! the null sink. What a downstream holds afterwards is read back and compared with what
+//! the relay served:
+//!
+//! - **a relay that renumbered** (`FIREKEEPER_FUTURE_CURSOR=live`: 200 events committed,
+//!   then the relay numbers from 1 and serves 100 live events under seqs 51–150): every
+//!   event is stored, the live ones too (the Postgres sink stored 0 of the 100);
+//! - **the downstream restarted** mid-stream (Postgres, NATS, the webhook's receiver):
+//!   every event is stored, once where the sink promises it (the Postgres sink wrote
+//!   nothing again after a restart, 201 of 1476 rows after 25 s, and kept the lease);
+//! - **a record the downstream cannot store as is** (a NUL character in a handle): nothing
+//!   stalls; Postgres keeps it as text, a webhook that refuses it (HTTP 400) gets it as
+//!   `#invalid` (`unstorable`) under `FIREKEEPER_BAD_FRAME=skip` (a stream of retries
+//!   stalled everything before).
+//!
+//! What each sink promises (README, "Sinks"): Postgres and JetStream store each event
+//! once; jsonl and the webhook at least once (a crash repeats what the last commit did
+//! not cover; not exercised here); null stores nothing and only moves the cursor.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use relay_sim::{RelaySim, SimConfig};
+use testkit::http::http_get;
+use testkit::proc::{base_env, firekeeper_to, run_once, sigterm_and_wait};
+use testkit::{NatsServer, PgServer, WAIT, eventually, free_port, tmpdir};
+use tokio::io::AsyncWriteExt;
+
+type Bytes = testkit::bytes_compat::Bytes;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sink {
+    JsonlFile,
+    JsonlStdout,
+    Webhook,
+    Postgres,
+    JetStream,
+    Null,
+}
+
+impl Sink {
+    /// The downstream drops a replay of an event it holds.
+    fn exactly_once(self) -> bool {
+        matches!(self, Self::Postgres | Self::JetStream)
+    }
+}
+
+/// How the test webhook answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HookMode {
+    Up,
+    /// Connections are closed unanswered (the receiver is down).
+    Down,
+    /// A batch holding this seq as itself gets HTTP 400.
+    Refuse(u64),
+}
+
+/// A webhook receiver that keeps the bodies it accepted.
+struct Hook {
+    url: String,
+    bodies: Arc<Mutex<Vec<String>>>,
+    mode: Arc<Mutex<HookMode>>,
+}
+
+impl Hook {
+    async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let mode = Arc::new(Mutex::new(HookMode::Up));
+        let (b, m) = (bodies.clone(), mode.clone());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (b, m) = (b.clone(), m.clone());
+                tokio::spawn(async move {
+                    let mut pending = Vec::new();
+                    while let Some((_, body)) = testkit::http::read_request_with_line(&mut s, &mut pending).await {
+                        let body = String::from_utf8_lossy(&body).into_owned();
+                        let mode = *m.lock().expect("mode");
+                        let status = match mode {
+                            HookMode::Down => return,
+                            HookMode::Refuse(seq) if holds_itself(&body, seq) => "400 Bad Request",
+                            _ => {
+                                b.lock().expect("bodies").push(body);
+                                "200 OK"
+                            }
+                        };
+                        let head = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n");
+                        if s.write_all(head.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { url, bodies, mode }
+    }
+
+    fn set(&self, mode: HookMode) {
+        *self.mode.lock().expect("mode") = mode;
+    }
+}
+
+/// A batch body holds `seq` as itself (not as `#invalid`).
+fn holds_itself(body: &str, seq: u64) -> bool {
+    body.lines().any(|l| {
+        serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| v["seq"] == seq && v["event"]["type"] != "#invalid")
+    })
+}
+
+/// The downstream a sink writes to, and what it holds.
+struct Downstream {
+    sink: Sink,
+    dir: PathBuf,
+    pg: Option<PgServer>,
+    nats: Option<NatsServer>,
+    hook: Option<Hook>,
+}
+
+/// (seq, what the event is) of one stored event.
+type Stored = (u64, String);
+
+/// What names an event whatever its seq: type and repo/rev, or DID and time; `#invalid`
+/// by repo and seq.
+fn key_of(e: &serde_json::Value) -> String {
+    let s = |k: &str| e[k].as_str().unwrap_or_default().to_owned();
+    match e["type"].as_str().unwrap_or_default() {
+        t @ "#commit" => format!("{t} {} {}", s("repo"), s("rev")),
+        t @ "#sync" => format!("{t} {} {}", s("did"), s("rev")),
+        t @ "#invalid" => format!("{t} {} {} {}", s("repo"), e["seq"], s("reason")),
+        t => format!("{t} {} {}", s("did"), s("time")),
+    }
+}
+
+fn from_lines(text: &str) -> Vec<Stored> {
+    let whole = text.rfind('\n').map_or("", |i| &text[..=i]);
+    whole
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("every line is JSON"))
+        .filter(|v| v["event"]["type"] != "#chain-break")
+        .map(|v| (v["seq"].as_u64().expect("seq"), key_of(&v["event"])))
+        .collect()
+}
+
+impl Downstream {
+    async fn start(sink: Sink, dir: &Path) -> Self {
+        let pg = (sink == Sink::Postgres).then(PgServer::start);
+        let nats = (sink == Sink::JetStream).then(NatsServer::start);
+        let hook = if sink == Sink::Webhook { Some(Hook::start().await) } else { None };
+        Self { sink, dir: dir.to_owned(), pg, nats, hook }
+    }
+
+    fn out(&self) -> PathBuf {
+        self.dir.join("out.jsonl")
+    }
+
+    /// The settings that point the binary at this downstream.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        match self.sink {
+            Sink::JsonlFile => vec![("FIREKEEPER_JSONL_PATH", self.out().to_string_lossy().into_owned())],
+            Sink::JsonlStdout => vec![],
+            Sink::Webhook => vec![
+                ("FIREKEEPER_SINK", "webhook".into()),
+                ("FIREKEEPER_WEBHOOK_URL", self.hook.as_ref().expect("hook").url.clone()),
+            ],
+            Sink::Postgres => vec![
+                ("FIREKEEPER_SINK", "postgres".into()),
+                ("FIREKEEPER_CURSOR_STORE", "postgres".into()),
+                ("DATABASE_URL", self.pg.as_ref().expect("pg").url()),
+            ],
+            Sink::JetStream => {
+                vec![("FIREKEEPER_SINK", "nats".into()), ("NATS_URL", self.nats.as_ref().expect("nats").url())]
+            }
+            Sink::Null => vec![("FIREKEEPER_SINK", "null".into())],
+        }
+    }
+
+    /// Restarts the downstream (a failover, an upgrade, an OOM kill), keeping its data.
+    async fn restart(&mut self) {
+        match self.sink {
+            Sink::Postgres => self.pg.as_mut().expect("pg").restart(),
+            Sink::JetStream => self.nats.as_mut().expect("nats").restart(),
+            Sink::Webhook => {
+                let hook = self.hook.as_ref().expect("hook");
+                hook.set(HookMode::Down);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                hook.set(HookMode::Up);
+            }
+            Sink::JsonlFile | Sink::JsonlStdout | Sink::Null => {}
+        }
+    }
+
+    /// Every event the downstream holds.
+    async fn stored(&self) -> Vec<Stored> {
+        match self.sink {
+            Sink::JsonlFile | Sink::JsonlStdout => from_lines(&std::fs::read_to_string(self.out()).unwrap_or_default()),
+            Sink::Webhook => from_lines(&self.hook.as_ref().expect("hook").bodies.lock().expect("bodies").concat()),
+            Sink::Postgres => {
+                let (c, conn) = tokio_postgres::connect(&self.pg.as_ref().expect("pg").url(), tokio_postgres::NoTls)
+                    .await
+                    .expect("pg");
+                tokio::spawn(conn);
+                let rows = c
+                    .query("SELECT seq, coalesce(body::text, body_text) FROM firekeeper_events", &[])
+                    .await
+                    .expect("rows");
+                rows.iter()
+                    .map(|r| {
+                        let body: String = r.get(1);
+                        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON body");
+                        (u64::try_from(r.get::<_, i64>(0)).expect("seq"), key_of(&v))
+                    })
+                    .collect()
+            }
+            Sink::JetStream => {
+                let cfg = nats_op::NatsConfig {
+                    url: self.nats.as_ref().expect("nats").url(),
+                    creds_file: None,
+                    token: None,
+                    op_timeout: Duration::from_secs(5),
+                };
+                let n = nats_op::Nats::connect(&cfg).await.expect("connect");
+                let Ok(s) = n.jetstream().get_stream("FIREKEEPER").await else { return Vec::new() };
+                let last = s.get_info().await.expect("info").state.last_sequence;
+                let mut out = Vec::new();
+                for i in 1..=last {
+                    let Ok(m) = s.get_raw_message(i).await else { continue };
+                    let v: serde_json::Value = serde_json::from_slice(&m.payload).expect("JSON body");
+                    out.push((v["seq"].as_u64().expect("seq"), key_of(&v)));
+                }
+                out
+            }
+            Sink::Null => Vec::new(),
+        }
+    }
+}
+
+/// The binary running against a relay and a downstream.
+struct Run {
+    http: String,
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Run {
+    fn start(relay: &RelaySim, down: &Downstream, extra: &[(&str, &str)]) -> Self {
+        let mut env = base_env(&relay.url(), &down.dir);
+        let http = format!("127.0.0.1:{}", free_port());
+        env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
+        for (k, v) in down.env() {
+            env.insert(k.into(), v);
+        }
+        for (k, v) in extra {
+            env.insert((*k).into(), (*v).into());
+        }
+        let o = run_once(&env, &["cursor", "set", "0"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let log = down.dir.join("fk.log");
+        let child = firekeeper_to(&env, &[], &log, &down.out());
+        Self { http, child, log }
+    }
+
+    async fn status(&self) -> serde_json::Value {
+        let body = http_get(&self.http, "/status").await.map(|r| r.1).unwrap_or_default();
+        serde_json::from_str(&body).unwrap_or(serde_json::Value::Null)
+    }
+
+    async fn committed(&self, seq: u64, what: &str) {
+        eventually(what, WAIT, async || self.status().await["committed"].as_u64() >= Some(seq)).await;
+    }
+
+    fn stop(self) -> String {
+        let exit = sigterm_and_wait(self.child);
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        assert!(exit.success(), "{exit:?}\n{log}");
+        log
+    }
+}
+
+/// Checks what the downstream holds against the events the relay served (`want`): every
+/// one, and each once where the sink promises it.
+fn assert_holds(sink: Sink, got: &[Stored], want: &[Stored]) {
+    if sink == Sink::Null {
+        return;
+    }
+    let mut counts: BTreeMap<&Stored, usize> = BTreeMap::new();
+    for g in got {
+        *counts.entry(g).or_default() += 1;
+    }
+    let lost: Vec<&Stored> = want.iter().filter(|w| !counts.contains_key(w)).collect();
+    assert!(lost.is_empty(), "{sink:?}: {} of {} lost, e.g. {:?}", lost.len(), want.len(), &lost[..lost.len().min(3)]);
+    if sink.exactly_once() {
+        let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).take(3).collect();
+        assert!(twice.is_empty(), "{sink:?}: stored twice {twice:?}");
+    }
+}
+
+/// (seq, key) of frames as the relay serves them.
+fn served(frames: &[Bytes]) -> Vec<Stored> {
+    frames
+        .iter()
+        .filter_map(|f| consumer::Event::from_bytes(f, relay_client::RelayRole::Primary).ok().flatten())
+        .map(|e| {
+            let mut j = String::new();
+            e.render_json(&mut j);
+            (e.seq(), key_of(&serde_json::from_str(&j).expect("JSON")))
+        })
+        .collect()
+}
+
+/// 200 events committed, then the relay restarts its numbering: the 50 it publishes while
+/// down are a gap (accepted under `live`), the next 100 come as seqs 51–150.
+async fn a_relay_that_renumbered(sink: Sink) {
+    let frames = testkit::fixture_frames();
+    let relay = RelaySim::start_with(
+        frames.clone(),
+        SimConfig { initial_head: Some(200), ..SimConfig::default() },
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let h = relay.handle();
+    let dir = tmpdir(&format!("contract-renumber-{sink:?}"));
+    let down = Downstream::start(sink, &dir).await;
+    let run = Run::start(&relay, &down, &[("FIREKEEPER_FUTURE_CURSOR", "live")]);
+    run.committed(200, "the first 200 committed").await;
+    h.set_down(true);
+    h.reset_seq(1);
+    h.publish_up_to(250);
+    h.set_down(false);
+    eventually("a live connection after FutureCursor", WAIT, async || h.cursors().contains(&None)).await;
+    h.publish_up_to(350);
+    eventually("the 100 live events committed", WAIT, async || {
+        let s = run.status().await;
+        s["committed"].as_u64() == Some(150) && s["in_flight"] == 0
+    })
+    .await;
+    run.stop();
+    let mut want = served(&frames[..200]);
+    let live: Vec<Bytes> =
+        frames[250..350].iter().zip(51..).map(|(f, seq)| relay_sim::with_seq(f, seq).expect("seq")).collect();
+    want.extend(served(&live));
+    assert_holds(sink, &down.stored().await, &want);
+}
+
+/// The downstream restarts while the relay serves 300 events a second.
+async fn the_downstream_restarted(sink: Sink) {
+    let frames = testkit::fixture_frames();
+    let relay = RelaySim::start_with(
+        frames.clone(),
+        SimConfig { initial_head: Some(0), rate: Some(300), ..SimConfig::default() },
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let dir = tmpdir(&format!("contract-restart-{sink:?}"));
+    let mut down = Downstream::start(sink, &dir).await;
+    let run = Run::start(&relay, &down, &[]);
+    run.committed(400, "400 committed").await;
+    down.restart().await;
+    run.committed(frames.len() as u64, "every event committed after the restart").await;
+    run.stop();
+    assert_holds(sink, &down.stored().await, &served(&frames));
+}
+
+/// The fixture with an `#identity` whose handle holds a NUL character at seq 700.
+fn with_poison() -> Vec<Bytes> {
+    let mut frames = testkit::fixture_frames();
+    let mut w = relay_client::cbor::Writer::new();
+    w.map(2).str("t").str("#identity").str("op").int(1);
+    w.map(4).str("did").str("did:plc:nulnulnulnulnulnulnulnul").str("seq").int(700);
+    w.str("time").str("2026-12-02T10:18:24.747Z").str("handle").str("bad\u{0}handle.test");
+    frames.insert(699, Bytes::from(w.buf));
+    relay_sim::reseq(&frames, 0, 1, 0)
+}
+
+/// A record with a NUL character: Postgres cannot keep it as jsonb, and the test webhook
+/// refuses it (HTTP 400). Nothing stalls.
+async fn a_record_the_downstream_cannot_store(sink: Sink) {
+    let frames = with_poison();
+    let relay = RelaySim::start_with(frames.clone(), SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("sim");
+    let dir = tmpdir(&format!("contract-poison-{sink:?}"));
+    let down = Downstream::start(sink, &dir).await;
+    if let Some(h) = &down.hook {
+        h.set(HookMode::Refuse(700));
+    }
+    let run = Run::start(&relay, &down, &[("FIREKEEPER_BAD_FRAME", "skip")]);
+    run.committed(frames.len() as u64, "every event committed past the poison record").await;
+    run.stop();
+    let mut want = served(&frames);
+    if sink == Sink::Webhook {
+        // Refused as itself: handed over as `#invalid`, reason `unstorable`.
+        let i = want.iter().position(|w| w.0 == 700).expect("the poison record");
+        want[i].1 = "#invalid did:plc:nulnulnulnulnulnulnulnul 700 unstorable".into();
+    }
+    assert_holds(sink, &down.stored().await, &want);
+}
+
+macro_rules! contract {
+    ($($name:ident: $scenario:ident($sink:expr);)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $scenario($sink).await;
+            }
+        )*
+    };
+}
+
+contract! {
+    renumbered_jsonl_file: a_relay_that_renumbered(Sink::JsonlFile);
+    renumbered_jsonl_stdout: a_relay_that_renumbered(Sink::JsonlStdout);
+    renumbered_webhook: a_relay_that_renumbered(Sink::Webhook);
+    renumbered_postgres: a_relay_that_renumbered(Sink::Postgres);
+    renumbered_jetstream: a_relay_that_renumbered(Sink::JetStream);
+    renumbered_null: a_relay_that_renumbered(Sink::Null);
+    restarted_webhook: the_downstream_restarted(Sink::Webhook);
+    restarted_postgres: the_downstream_restarted(Sink::Postgres);
+    restarted_jetstream: the_downstream_restarted(Sink::JetStream);
+    poison_jsonl_file: a_record_the_downstream_cannot_store(Sink::JsonlFile);
+    poison_jsonl_stdout: a_record_the_downstream_cannot_store(Sink::JsonlStdout);
+    poison_webhook: a_record_the_downstream_cannot_store(Sink::Webhook);
+    poison_postgres: a_record_the_downstream_cannot_store(Sink::Postgres);
+    poison_jetstream: a_record_the_downstream_cannot_store(Sink::JetStream);
+    poison_null: a_record_the_downstream_cannot_store(Sink::Null);
+}
