@@ -147,36 +147,78 @@ impl ServerProc {
     }
 }
 
-/// A `redis-server` child process owned by one test.
+/// A `redis-server` child process owned by one test, in a directory of its own so that it
+/// never loads a `dump.rdb` another run left behind.
 pub struct RedisServer {
     port: u16,
+    dir: std::path::PathBuf,
     child: ServerProc,
     extra: Vec<String>,
+    persistent: bool,
 }
 
 impl RedisServer {
     /// Starts a fresh server (no persistence) on a free port and waits until it answers.
+    ///
+    /// # Panics
+    /// When it does not start, or starts holding keys (it must be empty).
     #[must_use]
     pub fn start() -> Self {
         Self::start_with(&[])
     }
 
     /// Starts with extra `redis-server` arguments (e.g. `--requirepass x`).
+    ///
+    /// # Panics
+    /// As [`RedisServer::start`].
     #[must_use]
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::launch(extra, false)
+    }
+
+    /// Starts with an append-only file in its own directory: [`RedisServer::restart`] and
+    /// [`RedisServer::kill`] then keep every key written before (`appendfsync always`).
+    ///
+    /// # Panics
+    /// As [`RedisServer::start`].
+    #[must_use]
+    pub fn start_persistent() -> Self {
+        Self::launch(&[], true)
+    }
+
+    fn launch(extra: &[&str], persistent: bool) -> Self {
         let mut s = Self {
             port: free_port(),
+            dir: tmpdir("redis"),
             child: ServerProc::default(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            persistent,
         };
         s.spawn();
+        if !s.extra.iter().any(|e| e == "--requirepass" || e == "--replicaof") {
+            let keys: u64 = redis::cmd("DBSIZE").query(&mut s.admin()).expect("DBSIZE");
+            assert_eq!(keys, 0, "a fresh test redis-server must start empty (dir {})", s.dir.display());
+        }
         s
     }
 
+    /// The directory the server keeps its files in.
+    #[must_use]
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     fn spawn(&mut self) {
+        let persistence: &[&str] = if self.persistent {
+            &["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        } else {
+            &["--save", "", "--appendonly", "no"]
+        };
         let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--dir", &std::env::temp_dir().to_string_lossy()])
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(persistence)
+            .arg("--dir")
+            .arg(&self.dir)
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -251,14 +293,19 @@ impl RedisServer {
         self.child.signal("-CONT", "redis-server");
     }
 
-    /// SIGKILL and reap: every key is gone (no persistence).
+    /// SIGKILL and reap: every key is gone unless started with
+    /// [`RedisServer::start_persistent`].
     pub fn kill(&mut self) {
         self.child.kill();
     }
 
-    /// Starts again on the same port, empty.
+    /// Starts again on the same port: empty, or with its append-only file when persistent.
     pub fn restart(&mut self) {
         self.kill();
+        if !self.persistent {
+            let _ = std::fs::remove_dir_all(&self.dir);
+            let _ = std::fs::create_dir_all(&self.dir);
+        }
         self.spawn();
     }
 }
@@ -267,6 +314,7 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.resume();
         self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

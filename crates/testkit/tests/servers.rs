@@ -1,0 +1,48 @@
+//! The kit's servers start as empty as the tests that use them say (issue 40: a
+//! `dump.rdb` left in the shared temp directory was loaded by every test Redis).
+
+use testkit::RedisServer;
+
+fn get(r: &RedisServer, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query(&mut r.admin()).expect("GET")
+}
+
+fn dbsize(r: &RedisServer) -> u64 {
+    redis::cmd("DBSIZE").query(&mut r.admin()).expect("DBSIZE")
+}
+
+/// Leaves a `dump.rdb` holding a fence and a cursor where redis-server would find it if
+/// started with the shared temp directory as its `--dir`, as an earlier run did on a
+/// review machine.
+fn stale_dump_in_shared_temp() {
+    let maker = RedisServer::start();
+    let mut c = maker.admin();
+    let _: () = redis::cmd("SET").arg("{firekeeper}:fence").arg(1).query(&mut c).expect("SET");
+    let _: () = redis::cmd("SET").arg("{firekeeper}:fence-seen").arg(1).query(&mut c).expect("SET");
+    let _: () = redis::cmd("SET").arg("{firekeeper}:stale-cursor").arg(3504).query(&mut c).expect("SET");
+    let _: () = redis::cmd("SAVE").query(&mut c).expect("SAVE");
+    let tmp = std::env::temp_dir();
+    let staged = tmp.join(format!("dump.rdb.{}", std::process::id()));
+    std::fs::copy(maker.dir().join("dump.rdb"), &staged).expect("copy dump");
+    std::fs::rename(&staged, tmp.join("dump.rdb")).expect("place dump");
+}
+
+#[test]
+fn a_test_redis_beside_a_stale_dump_starts_and_restarts_empty() {
+    stale_dump_in_shared_temp();
+    let mut r = RedisServer::start();
+    assert_eq!(dbsize(&r), 0, "started with keys");
+    assert_eq!(get(&r, "{firekeeper}:fence"), None);
+    let _: () = redis::cmd("SET").arg("k").arg("v").query(&mut r.admin()).expect("SET");
+    r.restart();
+    assert_eq!(dbsize(&r), 0, "restart() must come back empty");
+}
+
+#[test]
+fn a_persistent_test_redis_keeps_its_keys_across_a_restart() {
+    let mut r = RedisServer::start_persistent();
+    assert_eq!(dbsize(&r), 0);
+    let _: () = redis::cmd("SET").arg("{firekeeper}:fence").arg(7).query(&mut r.admin()).expect("SET");
+    r.restart();
+    assert_eq!(get(&r, "{firekeeper}:fence").as_deref(), Some("7"));
+}
