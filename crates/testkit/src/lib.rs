@@ -30,9 +30,27 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago, picked below the kernel's ephemeral range
+/// (32768-60999 by default): a port the kernel hands out for `:0` or for an outgoing
+/// connection's local end can be taken by any test's client before the server it was
+/// picked for binds it (a replica once failed to bind its HTTP port that way, and the
+/// test took another process's `/status` for its own).
 #[must_use]
 pub fn free_port() -> u16 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::from(d.subsec_nanos()) ^ d.as_secs());
+    let mut x = (u64::from(std::process::id()) << 32) ^ now ^ NEXT.fetch_add(0x9e37_79b9, Ordering::Relaxed) | 1;
+    for _ in 0..500 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let port = 20_000 + u16::try_from(x % 12_000).unwrap_or(0);
+        if StdListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     StdListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
