@@ -118,6 +118,69 @@ impl Conn {
     }
 }
 
+/// How a Redis server keeps its data across a restart, as `CONFIG GET` reports it: what
+/// the lease fence and the cursor survive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Persistence {
+    /// `appendonly yes`: every write is logged (fsynced per `appendfsync`).
+    pub aof: bool,
+    /// `appendfsync`, when the append-only file is on (`always`, `everysec`, `no`).
+    pub fsync: String,
+    /// The `save` rules (RDB snapshots); empty when there are none.
+    pub save: String,
+}
+
+impl Persistence {
+    /// What a restart of this server costs the lease and cursors; `None` with an
+    /// append-only file fsynced at least every second.
+    #[must_use]
+    pub fn risk(&self) -> Option<&'static str> {
+        match (self.aof, self.save.trim().is_empty()) {
+            (true, _) if self.fsync == "no" => Some(
+                "append-only file without fsync (appendfsync no): a machine crash can lose the last writes, an older fence and cursor come back",
+            ),
+            (true, _) => None,
+            (false, false) => Some(
+                "snapshots only (no append-only file): a restart brings back the last snapshot, an older fence and cursor; a stale fence can reissue a live term's token",
+            ),
+            (false, true) => Some(
+                "no persistence at all (no append-only file, no snapshots): a restart loses the fence and every cursor",
+            ),
+        }
+    }
+}
+
+impl Conn {
+    /// The server's persistence settings; `None` when it refuses `CONFIG GET` (managed
+    /// services often do).
+    ///
+    /// # Errors
+    /// When the server cannot be reached in time.
+    pub async fn persistence(&self) -> Result<Option<Persistence>, OpError> {
+        let r = self
+            .run(|mut c| async move {
+                let v: redis::RedisResult<(Vec<String>, Vec<String>, Vec<String>)> = redis::pipe()
+                    .cmd("CONFIG")
+                    .arg("GET")
+                    .arg("appendonly")
+                    .cmd("CONFIG")
+                    .arg("GET")
+                    .arg("appendfsync")
+                    .cmd("CONFIG")
+                    .arg("GET")
+                    .arg("save")
+                    .query_async(&mut c)
+                    .await;
+                Ok(v)
+            })
+            .await?;
+        let Ok((aof, fsync, save)) = r else { return Ok(None) };
+        let value = |v: &[String]| v.get(1).cloned();
+        let (Some(aof), Some(save)) = (value(&aof), value(&save)) else { return Ok(None) };
+        Ok(Some(Persistence { aof: aof == "yes", fsync: value(&fsync).unwrap_or_default(), save }))
+    }
+}
+
 /// Reads a script's `{code, detail}` reply.
 pub fn pair(v: &Value) -> Result<(i64, String), String> {
     match v {
@@ -140,6 +203,16 @@ pub fn pair(v: &Value) -> Result<(i64, String), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_fsynced_append_only_file_is_without_risk() {
+        let p = |aof, fsync: &str, save: &str| Persistence { aof, fsync: fsync.into(), save: save.into() };
+        assert_eq!(p(true, "everysec", "").risk(), None);
+        assert_eq!(p(true, "always", "3600 1").risk(), None);
+        assert!(p(true, "no", "").risk().is_some_and(|r| r.contains("appendfsync no")));
+        assert!(p(false, "everysec", "3600 1 300 100").risk().is_some_and(|r| r.contains("snapshots only")));
+        assert!(p(false, "everysec", "").risk().is_some_and(|r| r.contains("no persistence")));
+    }
 
     #[test]
     fn script_replies_that_are_not_code_detail_pairs_are_errors() {
