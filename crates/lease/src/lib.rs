@@ -34,4 +34,6 @@ pub use config::{ConfigError, LeaseConfig};
 pub use local::LocalBackend;
 pub use nats_backend::NatsBackend;
 pub use redis_backend::{Keys, RedisBackend};
-pub use supervisor::{LeaseEvent, LeaseHandle, LossReason, Status, StepDownError, Term, spawn, spawn_as};
+pub use supervisor::{
+    LeaseEvent, LeaseHandle, LossReason, Prior, Status, StepDownError, Term, spawn, spawn_as, spawn_with,
+};

@@ -213,7 +213,23 @@ pub struct LeaseHandle {
     cmd: mpsc::UnboundedSender<Command>,
     status: watch::Receiver<Status>,
     instance: Arc<str>,
+    seen: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// What a process remembers from before it started (kept on its own disk), so that a
+/// lease store that lost its data cannot hand out a token again or elect a replica that
+/// knows nothing ahead of one that does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prior {
+    /// The highest token this process (or an earlier run of it) has seen: every token it
+    /// acquires is above it.
+    pub floor: u64,
+    /// It remembers nothing (no local record, no cursor in the store): when the lease
+    /// store is empty too (no holder, no fence), it watches for one ttl before its first
+    /// acquire, so that a replica that remembers the last term (a higher floor, a shadowed
+    /// cursor) takes it first.
+    pub cold: bool,
 }
 
 impl std::fmt::Debug for Command {
@@ -305,6 +321,12 @@ impl LeaseHandle {
         let _ = self.ask(Command::Resign).await;
     }
 
+    /// The highest token this process has held or seen another holder with (its floor).
+    #[must_use]
+    pub fn seen_token(&self) -> u64 {
+        self.seen.load(Ordering::Relaxed)
+    }
+
     /// Waits for the supervisor task to exit.
     pub async fn join(self) {
         let _ = self.task.await;
@@ -327,6 +349,17 @@ pub fn spawn_as(
     clock: Arc<dyn Clock>,
     instance: &str,
 ) -> Result<(LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>), ConfigError> {
+    spawn_with(backend, cfg, clock, instance, Prior::default())
+}
+
+/// Starts a supervisor that remembers `prior` (its floor, whether it knows nothing).
+pub fn spawn_with(
+    backend: Arc<dyn Backend>,
+    cfg: LeaseConfig,
+    clock: Arc<dyn Clock>,
+    instance: &str,
+    prior: Prior,
+) -> Result<(LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>), ConfigError> {
     cfg.validate()?;
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
     let (ev_tx, ev_rx) = mpsc::unbounded_channel();
@@ -335,6 +368,8 @@ pub fn spawn_as(
     let seed =
         instance.bytes().fold(0x9e37_79b9_7f4a_7c15_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
     let wake = backend.release_signal();
+    let floor = Arc::new(AtomicU64::new(prior.floor));
+    let cold_until = prior.cold.then(|| clock.now() + cfg.ttl);
     let sup = Supervisor {
         backend,
         cfg,
@@ -347,11 +382,14 @@ pub fn spawn_as(
         epoch: 0,
         rng: seed | 1,
         stopping: false,
-        seen: 0,
+        seen: prior.floor,
+        shared_seen: floor.clone(),
         not_before: None,
+        cold_until,
+        cold_warned: false,
     };
     let task = tokio::spawn(sup.run());
-    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, task }, ev_rx))
+    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, seen: floor, task }, ev_rx))
 }
 
 struct Supervisor {
@@ -369,6 +407,13 @@ struct Supervisor {
     stopping: bool,
     /// The highest token this process has held or seen another holder with.
     seen: u64,
+    /// `seen`, for [`LeaseHandle::seen_token`].
+    shared_seen: Arc<AtomicU64>,
+    /// A process that remembers nothing does not acquire from an empty store before
+    /// this (clock time): see [`Prior::cold`].
+    cold_until: Option<Duration>,
+    /// The cold wait was logged.
+    cold_warned: bool,
     /// The latest key expiry observed on another holder (clock time): that holder may
     /// lead until then, so no term starts before it, even if the store loses the key.
     /// Cleared by a release, which the holder sends only after it stopped.
@@ -484,7 +529,13 @@ impl Supervisor {
                 n.enable();
             }
             let sent = self.clock.now();
-            let r = if self.not_before.is_some_and(|nb| sent < nb) {
+            let r = if self.cold_until.is_some_and(|cu| sent < cu) {
+                match self.watch_cold().await {
+                    // The store has data: contend (or observe its holder) right away.
+                    Ok(true) => continue,
+                    r => r.map(|_| None),
+                }
+            } else if self.not_before.is_some_and(|nb| sent < nb) {
                 // A holder seen earlier may still be leading although the store no longer
                 // shows it: look, do not take.
                 self.observe().await.map(|()| None)
@@ -531,6 +582,9 @@ impl Supervisor {
                 // Wake right when the observed expiry passes.
                 poll = poll.min(nb.saturating_sub(self.clock.now()).max(Duration::from_millis(1)));
             }
+            if let Some(cu) = self.cold_until {
+                poll = poll.min(cu.saturating_sub(self.clock.now()).max(Duration::from_millis(1)));
+            }
             tokio::select! {
                 () = sleep(poll) => {}
                 () = async { match notified.as_mut().as_pin_mut() { Some(n) => n.await, None => std::future::pending().await } } => {
@@ -570,11 +624,31 @@ impl Supervisor {
         }
     }
 
+    /// A read-only look at the store by a process that remembers nothing: a store with a
+    /// fence or a holder has not lost its data and the wait ends (true; a holder is
+    /// observed as usual); an empty one is watched until the ttl passed.
+    async fn watch_cold(&mut self) -> Result<bool, BackendError> {
+        let snap = self.call(self.backend.snapshot()).await?;
+        self.raise_seen(snap.fence.max(snap.fence_seen));
+        if snap.fence > 0 || snap.fence_seen > 0 || snap.holder.is_some() {
+            self.cold_until = None;
+            if let Some(h) = snap.holder.filter(|h| !self.is_own(h)) {
+                self.on_held(&h, snap.ttl);
+            }
+        } else if !std::mem::replace(&mut self.cold_warned, true) {
+            tracing::warn!(
+                wait_ms = self.cfg.ttl.as_millis() as u64,
+                "this replica remembers no earlier term and the lease store holds none (a first start, or a store that lost its data): watching one ttl before contending, so a replica that remembers the last term takes over first"
+            );
+        }
+        Ok(self.cold_until.is_none())
+    }
+
     /// A read-only look at the store while an observed holder may still lead: a holder
     /// still there extends the wait; none means waiting out the observed expiry.
     async fn observe(&mut self) -> Result<(), BackendError> {
         let snap = self.call(self.backend.snapshot()).await?;
-        self.seen = self.seen.max(snap.fence);
+        self.raise_seen(snap.fence);
         match snap.holder {
             Some(own) if self.is_own(&own) => {
                 self.release_own(&own).await;
@@ -597,9 +671,14 @@ impl Supervisor {
         }
     }
 
+    fn raise_seen(&mut self, t: u64) {
+        self.seen = self.seen.max(t);
+        self.shared_seen.store(self.seen, Ordering::Relaxed);
+    }
+
     fn see(&mut self, holder: &str) {
         if let Some((_, t)) = crate::backend::parse_holder(holder) {
-            self.seen = self.seen.max(t);
+            self.raise_seen(t);
         }
     }
 
@@ -621,7 +700,7 @@ impl Supervisor {
 
     fn new_term(&mut self, token: u64, sent: Duration) -> (Term, oneshot::Receiver<()>) {
         self.epoch += 1;
-        self.seen = self.seen.max(token);
+        self.raise_seen(token);
         let (done_tx, done_rx) = oneshot::channel();
         let deadline = sent + self.cfg.window();
         let term = Term(Arc::new(TermInner {

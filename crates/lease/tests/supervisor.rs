@@ -408,3 +408,48 @@ async fn resign_ends_the_term_without_release_and_contends_again_after_expiry() 
     let t2 = elected(&mut ev).await;
     assert_eq!(t2.token(), 2, "a fresh term once the old key expired");
 }
+
+fn start_with(m: &Mock, name: &str, prior: lease::Prior) -> (lease::LeaseHandle, mpsc::UnboundedReceiver<LeaseEvent>) {
+    let clock: Arc<dyn Clock> = Arc::new(TokioClock::new());
+    lease::spawn_with(Arc::new(m.clone()), cfg(), clock, name, prior).expect("valid config")
+}
+
+/// Issue 40: a replica that remembers nothing does not take an empty store (a first start
+/// or a store that lost its data) for a ttl, so a survivor that remembers the last term
+/// (a floor above its token) takes it first.
+#[tokio::test(start_paused = true)]
+async fn a_cold_replica_watches_an_empty_store_for_a_ttl_while_a_survivor_takes_it() {
+    let m = Mock::new();
+    let started = Instant::now();
+    let (cold, mut cold_ev) = start_with(&m, "cold", lease::Prior { floor: 0, cold: true });
+    sleep(Duration::from_secs(3)).await;
+    assert!(cold_ev.try_recv().is_err(), "no acquire from an empty store within the ttl");
+    let (survivor, mut survivor_ev) = start_with(&m, "survivor", lease::Prior { floor: 7, cold: false });
+    let t = elected(&mut survivor_ev).await;
+    assert_eq!(t.token(), 8, "above the floor the survivor remembered");
+    sleep(Duration::from_secs(10)).await;
+    assert!(cold_ev.try_recv().is_err(), "the cold replica stands by behind the survivor");
+    assert_eq!(cold.seen_token(), 8, "and remembers its token as its own floor");
+    assert!(survivor.seen_token() >= 8);
+    drop(t);
+    let _ = started;
+}
+
+/// The wait is for one ttl only, and only while the store is empty.
+#[tokio::test(start_paused = true)]
+async fn a_cold_replica_acquires_after_a_ttl_or_at_once_from_a_store_with_a_fence() {
+    let m = Mock::new();
+    let t0 = Instant::now();
+    let (_h, mut ev) = start_with(&m, "cold", lease::Prior { floor: 0, cold: true });
+    let t = elected(&mut ev).await;
+    let waited = t0.elapsed();
+    assert!(waited >= cfg().ttl && waited <= cfg().ttl + Duration::from_secs(2), "waited {waited:?}");
+    assert_eq!(t.token(), 1);
+    let m2 = Mock::new();
+    m2.force(None, Some(4));
+    let t1 = Instant::now();
+    let (_h2, mut ev2) = start_with(&m2, "cold", lease::Prior { floor: 0, cold: true });
+    let t = elected(&mut ev2).await;
+    assert!(t1.elapsed() < Duration::from_secs(1), "a store with a fence has not lost its data");
+    assert_eq!(t.token(), 5);
+}
