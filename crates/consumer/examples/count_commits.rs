@@ -66,7 +66,13 @@ async fn build(
     {
         cursors.force(relay.fingerprint(), start).await?;
     }
-    let options = consumer::Options { commit_interval: std::time::Duration::from_millis(200), ..Default::default() };
+    // No cursor and no `START`: the live tail (this example's first start is a choice the
+    // user made by running it; a service should say so in its settings: `Start::Refuse`).
+    let options = consumer::Options {
+        commit_interval: std::time::Duration::from_millis(200),
+        start: consumer::Start::Live,
+        ..Default::default()
+    };
     Ok(Builder::new(relay)
         .lease(lease, lease::LeaseConfig::default())
         .store(cursors)

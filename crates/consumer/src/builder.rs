@@ -11,6 +11,7 @@ use crate::error::Error;
 use crate::handler::Handler;
 use crate::options::Options;
 use crate::run::Consumer;
+use crate::shadow::Shadow;
 use crate::status::StatusHandle;
 
 /// What a consumer was built with.
@@ -33,6 +34,7 @@ pub struct Builder {
     handler: Option<Arc<dyn Handler>>,
     instance: Option<String>,
     clock: Arc<dyn Clock>,
+    shadow: Option<Arc<dyn Shadow>>,
 }
 
 impl Builder {
@@ -48,6 +50,7 @@ impl Builder {
             handler: None,
             instance: None,
             clock: Arc::new(BootClock),
+            shadow: None,
         }
     }
 
@@ -109,6 +112,14 @@ impl Builder {
         self
     }
 
+    /// Where this replica keeps the highest token and the cursors it saw (on its own
+    /// disk), so that a store that lost its data neither reissues a token nor loses the
+    /// position: see [`crate::shadow`]. Without one, only what this process saw counts.
+    pub fn shadow(mut self, shadow: Option<Arc<dyn Shadow>>) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
     /// Checks the parts and returns a consumer ready to run.
     pub fn build(self) -> Result<Consumer, Error> {
         let missing = |what: &str| Error::Config(format!("no {what} given to the builder"));
@@ -138,6 +149,7 @@ impl Builder {
             instance,
             clock: self.clock,
             status: StatusHandle::default(),
+            shadow: self.shadow,
         })
     }
 }

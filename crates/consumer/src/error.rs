@@ -38,13 +38,14 @@ pub enum Fatal {
     /// The subscription ended although nobody closed it.
     #[error("relay subscription closed unexpectedly")]
     Closed,
-    /// The store has no cursor although earlier terms existed.
+    /// The store has no cursor and this process remembers none: a first start or a store
+    /// that lost its data, which look alike; the start policy is to refuse.
     #[error(
-        "no stored cursor for the {role} relay ({fingerprint}), but earlier terms existed (this term's token is \
-         {token}): the cursor store lost it. Refusing to start from the live tail: set the cursor to resume after \
-         (the live head to accept the gap), then restart"
+        "no stored cursor for the {role} relay ({fingerprint}) and none remembered by this replica (lease token \
+         {token}): either the deployment's very first start or a cursor store that lost its data (they look \
+         alike). Refusing to guess where to start: say where (the start policy, or set the cursor), then restart"
     )]
-    CursorLost {
+    NoCursor {
         /// Which relay.
         role: RelayRole,
         /// Its fingerprint.

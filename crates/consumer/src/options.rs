@@ -7,6 +7,21 @@ use crate::continuity::GapPolicy;
 use crate::handler::CollectionFilter;
 use crate::verify::VerifyOptions;
 
+/// Where a term starts when the store holds no cursor for its relay and no earlier term
+/// is known anywhere (token 1, nothing remembered): a deployment's very first start, or a
+/// store that lost its data and every replica's memory with it. The two look alike, so
+/// nothing is guessed unless the operator said so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Start {
+    /// Refuse to start and say what to run (the default).
+    #[default]
+    Refuse,
+    /// The relay's live tail (meant for a deployment's very first start).
+    Live,
+    /// The oldest event the relay still has (cursor 0).
+    Oldest,
+}
+
 /// Tuning of the work loop; the defaults suit a single relay on a small machine.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -16,6 +31,8 @@ pub struct Options {
     pub queue_depth: usize,
     /// How often the watermark is committed.
     pub commit_interval: Duration,
+    /// Where a term with no stored cursor and no earlier term starts.
+    pub start: Start,
     /// How long a voluntary step-down may drain before the lease is left to expire.
     pub drain_budget: Duration,
     /// When no commit landed for this long while there was something to commit (the
@@ -53,6 +70,7 @@ impl Default for Options {
             lanes: 4,
             queue_depth: 1024,
             commit_interval: Duration::from_secs(1),
+            start: Start::Refuse,
             drain_budget: Duration::from_secs(10),
             uncommitted_max: Duration::from_secs(10),
             collections: None,

@@ -4,8 +4,8 @@
 use std::pin::pin;
 use std::sync::Arc;
 
-use checkpoint::CursorStore;
-use lease::{Backend, Clock, LeaseConfig, LeaseEvent};
+use checkpoint::{CursorStore, ReadOutcome};
+use lease::{Backend, Clock, LeaseConfig, LeaseEvent, LeaseHandle, Prior};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
@@ -14,6 +14,7 @@ use crate::error::Error;
 use crate::handler::{Handler, Render};
 use crate::metrics;
 use crate::pipeline::Shape;
+use crate::shadow::{Recollection, Shadow};
 use crate::status::{Role, StatusHandle};
 use crate::term::{self, Ctx, Remembered, TermEnd};
 use crate::verify;
@@ -27,6 +28,7 @@ pub struct Consumer {
     pub(crate) instance: String,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) status: StatusHandle,
+    pub(crate) shadow: Option<Arc<dyn Shadow>>,
 }
 
 impl Consumer {
@@ -46,14 +48,24 @@ impl Consumer {
     /// fatal condition, or the lease supervisor ending. Like mini-redis's `server::run`,
     /// the caller decides what shutdown means (a signal, a test's oneshot).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
-        let Self { settings, lease: (backend, lease_cfg), store, handler, instance, clock, status } = self;
+        let Self { settings, lease: (backend, lease_cfg), store, handler, instance, clock, status, shadow } = self;
         if let Some(seen) = store.fence_floor().await.map_err(|e| Error::SeedFence(e.to_string()))? {
             // Tokens must stay above what the cursor store has seen, even if the lease
             // store lost its counter.
             let fence = backend.seed_fence(seen).await.map_err(|e| Error::SeedFence(e.to_string()))?;
             tracing::info!(seen, fence, store = store.name(), "lease fence seeded from the cursor store");
         }
-        let (handle, events) = lease::spawn_as(backend, lease_cfg, clock, &instance)?;
+        let recollection = recall(shadow.as_ref()).await;
+        // A replica that remembers nothing, facing a store with no cursor either, does not
+        // contend for an empty lease store before a ttl passed (see `lease::Prior`).
+        let cold = recollection.is_none()
+            && !matches!(
+                store.read(settings.primary.fingerprint()).await,
+                Ok(ReadOutcome::Found(_) | ReadOutcome::Corrupt(_))
+            );
+        let recollection = recollection.unwrap_or_default();
+        let prior = Prior { floor: recollection.token, cold };
+        let (handle, events) = lease::spawn_with(backend, lease_cfg, clock, &instance, prior)?;
         status.update(|s| {
             s.role = Role::Standby;
             s.instance.clone_from(&instance);
@@ -62,7 +74,8 @@ impl Consumer {
         tracing::info!(instance = %instance, "contending for the lease");
         // Shadow every replica's committed cursors, so that if the store loses its data
         // this process, once leading, resumes where the last leader committed.
-        let remembered: Arc<Remembered> = Arc::default();
+        let remembered: Arc<Remembered> =
+            Arc::new(std::sync::Mutex::new(recollection.cursors.iter().map(|(k, v)| (k.clone(), *v)).collect()));
         let follower = {
             let (store, m) = (store.clone(), remembered.clone());
             tokio::spawn(async move {
@@ -111,19 +124,94 @@ impl Consumer {
         let r = {
             let mut lead = pin!(lead_loop(&cx, events));
             let mut shutdown = pin!(shutdown);
+            let mut keeper = pin!(keep_shadow(shadow.as_ref(), &handle, &remembered, recollection.clone()));
             tokio::select! {
                 r = &mut lead => r,
                 () = &mut shutdown => {
                     stop.cancel();
                     lead.await
                 }
+                never = &mut keeper => match never {},
             }
         };
+        if let Some(s) = &shadow {
+            let _ = save(s, recollect(&handle, &remembered)).await;
+        }
         drop(cx);
         follower.abort();
         status.update(|s| s.role = Role::Stopped);
         handle.join().await;
         r
+    }
+}
+
+/// The recollection `shadow` holds; `None` without one, or when it cannot be read (then
+/// it is not trusted in part, and logged).
+async fn recall(shadow: Option<&Arc<dyn Shadow>>) -> Option<Recollection> {
+    let s = shadow?.clone();
+    match tokio::task::spawn_blocking(move || s.load()).await {
+        Ok(Ok(r)) => {
+            if let Some(r) = &r {
+                tracing::info!(
+                    token = r.token,
+                    relays = r.cursors.len(),
+                    "remembering the highest token and the cursors this replica saw before"
+                );
+            }
+            r
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "the shadow file cannot be read: starting as a replica that remembers nothing");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// What this process knows now.
+fn recollect(lease: &LeaseHandle, remembered: &Remembered) -> Recollection {
+    let cursors = remembered.lock().map(|m| m.iter().map(|(k, v)| (k.clone(), *v)).collect()).unwrap_or_default();
+    Recollection { token: lease.seen_token(), cursors }
+}
+
+async fn save(shadow: &Arc<dyn Shadow>, r: Recollection) -> Result<(), String> {
+    let s = shadow.clone();
+    match tokio::task::spawn_blocking(move || s.save(&r)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Saves what this process knows whenever it changed (checked every second), for as
+/// long as the consumer runs.
+async fn keep_shadow(
+    shadow: Option<&Arc<dyn Shadow>>,
+    lease: &LeaseHandle,
+    remembered: &Remembered,
+    mut saved: Recollection,
+) -> std::convert::Infallible {
+    let Some(shadow) = shadow else { return std::future::pending().await };
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let now = recollect(lease, remembered);
+        if now == saved {
+            continue;
+        }
+        match save(shadow, now.clone()).await {
+            Ok(()) => {
+                if std::mem::replace(&mut failing, false) {
+                    tracing::info!("the shadow file is written again");
+                }
+                saved = now;
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut failing, true) {
+                    tracing::warn!(error = %e, "cannot write the shadow file: a restart of this replica after the store lost its data would not know the last token and cursor");
+                }
+            }
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use crate::builder::Settings;
 use crate::continuity::Memory;
 use crate::error::Fatal;
 use crate::metrics as m;
+use crate::options::Start;
 use crate::pipeline::Pipeline;
 use crate::status::Role;
 
@@ -52,20 +53,31 @@ pub(super) async fn resume_point(
             );
             Ok(Some(mine))
         }
-        // Token 1 is the first term this lease store ever issued: a fresh deployment. A
-        // later token means some term ran before and (very likely) committed: the store
-        // lost the cursor, and the live tail would skip everything in between.
-        (ReadOutcome::Missing, None) if at_term_start && term.token() > 1 => {
-            Err(Fatal::CursorLost { role, fingerprint: fp.to_owned(), token: term.token() }.into())
-        }
-        (ReadOutcome::Missing, None) => {
-            tracing::warn!(
-                relay = role.as_str(),
-                token = term.token(),
-                "no stored cursor for this relay: starting from the live tail"
-            );
-            Ok(None)
-        }
+        // Nothing stored, nothing remembered: a first start, or a store that lost its
+        // data (with every replica's memory), which look alike; the token cannot tell them
+        // apart either (a store that lost its counter issues 1 again, a refused start
+        // used one up). Only the operator's start policy decides.
+        (ReadOutcome::Missing, None) if at_term_start => match cx.settings.options.start {
+            Start::Refuse => Err(Fatal::NoCursor { role, fingerprint: fp.to_owned(), token: term.token() }.into()),
+            Start::Live => {
+                tracing::warn!(
+                    relay = role.as_str(),
+                    token = term.token(),
+                    "no stored cursor and nothing remembered: starting from the live tail, as the start policy says (meant for a first start only)"
+                );
+                Ok(None)
+            }
+            Start::Oldest => {
+                tracing::warn!(
+                    relay = role.as_str(),
+                    token = term.token(),
+                    "no stored cursor and nothing remembered: starting from the relay's oldest event, as the start policy says (meant for a first start only)"
+                );
+                Ok(Some(0))
+            }
+        },
+        // On a switch the target's missing cursor is found by content.
+        (ReadOutcome::Missing, None) => Ok(None),
     }
 }
 
