@@ -24,9 +24,10 @@ pub fn advice(e: &anyhow::Error) -> Option<String> {
             "set FIREKEEPER_FUTURE_CURSOR=live to accept the gap, or fix the cursor with \
              `firekeeper cursor set --relay {relay} <seq>`"
         ),
-        Fatal::CursorLost { role, .. } => format!(
-            "set the cursor with `firekeeper cursor set --relay {role} <seq>` (the live head to accept the gap), \
-             then restart"
+        Fatal::NoCursor { role, .. } => format!(
+            "on a deployment's first start set FIREKEEPER_START=live (the live tail) or oldest (the relay's oldest \
+             event); if the store lost its data, set the cursor to the last seq your downstream has with \
+             `firekeeper cursor set --relay {role} <seq>`; then restart"
         ),
         Fatal::CursorCorrupt { role, .. } => format!(
             "set the cursor with `firekeeper cursor set --relay {role} <seq>` (the seq of the last event your \
@@ -65,7 +66,7 @@ mod tests {
         let e = anyhow::Error::from(Error::Fatal(Fatal::BadFrame(bad)));
         let a = advice(&e).expect("advice");
         assert!(a.contains("FIREKEEPER_BAD_FRAME=skip") && a.contains("cursor set --relay primary 700"), "{a}");
-        let lost = Error::Fatal(Fatal::CursorLost { role: RelayRole::Secondary, fingerprint: "f".into(), token: 3 });
+        let lost = Error::Fatal(Fatal::NoCursor { role: RelayRole::Secondary, fingerprint: "f".into(), token: 3 });
         assert!(advice(&lost.into()).expect("advice").contains("firekeeper cursor set --relay secondary"));
         assert_eq!(advice(&anyhow::anyhow!("something else")), None);
     }

@@ -14,6 +14,7 @@ mod stores;
 mod telemetry;
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -48,6 +49,12 @@ fn main() -> ExitCode {
         for line in settings::effective(&std::env::vars().collect()) {
             println!("  {line}");
         }
+        if let Some(p) = check_redis(&cfg) {
+            match p {
+                Ok(fine) => println!("{fine}"),
+                Err(warning) => println!("warning: {warning}"),
+            }
+        }
         return ExitCode::SUCCESS;
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -69,6 +76,12 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `check-config`'s question to Redis about persistence, on a runtime of its own.
+fn check_redis(cfg: &Config) -> Option<Result<String, String>> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+    rt.block_on(stores::redis_persistence(cfg))
 }
 
 async fn dispatch(cfg: Config, command: Command) -> Result<()> {
@@ -93,12 +106,18 @@ async fn run(cfg: Config) -> Result<()> {
         );
     }
     tracing::info!(config = %cfg.summary(), "starting");
+    match stores::redis_persistence(&cfg).await {
+        Some(Ok(fine)) => tracing::info!("{fine}"),
+        Some(Err(warning)) => tracing::warn!("{warning}"),
+        None => {}
+    }
     let mut builder = consumer::Builder::new(cfg.relay.clone())
         .secondary(cfg.relay_secondary.clone())
         .client(cfg.client.clone())
         .options(cfg.options.clone())
         .shared_store(stores::open_store(&cfg).await?)
-        .shared_handler(stores::open_sink(&cfg).await?);
+        .shared_handler(stores::open_sink(&cfg).await?)
+        .shadow(Some(Arc::new(consumer::ShadowFile::new(&stores::shadow_file(&cfg)))));
     if let Some(id) = &cfg.instance_id {
         builder = builder.instance_id(id);
     }

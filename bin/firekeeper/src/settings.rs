@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use consumer::{ChainBreaks, CollectionFilter, GapPolicy, InvalidPolicy, Options, VerifyMode};
+use consumer::{ChainBreaks, CollectionFilter, GapPolicy, InvalidPolicy, Options, Start, VerifyMode};
 use lease::LeaseConfig;
 use relay_client::{BadFramePolicy, ClientConfig, FutureCursorPolicy, RelayUrl};
 use sinks::JetStreamConfig;
@@ -95,6 +95,7 @@ words!(StoreKind: "redis" => StoreKind::Redis, "nats" => StoreKind::Nats, "file"
 words!(SinkName: "jsonl" => SinkName::Jsonl, "postgres" => SinkName::Postgres, "webhook" => SinkName::Webhook, "nats" => SinkName::Nats, "null" => SinkName::Null);
 words!(FutureCursorPolicy: "fail" => FutureCursorPolicy::Fail, "live" => FutureCursorPolicy::GoLive);
 words!(GapPolicy: "fail" => GapPolicy::Fail, "live" => GapPolicy::Live);
+words!(Start: "refuse" => Start::Refuse, "live" => Start::Live, "oldest" => Start::Oldest);
 words!(ChainMode: "count" => ChainMode::Count, "emit" => ChainMode::Emit, "off" => ChainMode::Off);
 words!(VerifyMode: "off" => VerifyMode::Off, "signatures" => VerifyMode::Signatures, "full" => VerifyMode::Full);
 words!(bool: "true" => true, "false" => false, "1" => true, "0" => false, "yes" => true, "no" => false);
@@ -366,7 +367,7 @@ pub const SETTINGS: &[Setting] = &[
     count!("FIREKEEPER_WEBHOOK_BATCH", 10_000, webhook_batch, "events per POST (`application/x-ndjson`)"),
     millis!("FIREKEEPER_WEBHOOK_TIMEOUT_MS", webhook_timeout, "per-request timeout; failures retry with backoff, the cursor moves only after 2xx"),
     setting!("FIREKEEPER_COLLECTIONS", Kind::Text, |r, v| r.options.collections = collections(v)?, shown "all", "comma-separated NSIDs or `prefix.*` (e.g. `app.bsky.feed.*`); filters commit ops"),
-    setting!("FIREKEEPER_DATA_DIR", Kind::Text, |r, v| r.data_dir = v.into(), |d| d.data_dir.display().to_string(), "local lease file and file cursors"),
+    setting!("FIREKEEPER_DATA_DIR", Kind::Text, |r, v| r.data_dir = v.into(), |d| d.data_dir.display().to_string(), "local lease file, file cursors, and this replica's shadow file (`shadow-<key prefix>.json`: the highest lease token and the cursors it saw, so a store that lost its data neither reissues a token nor loses the position; keep it on a disk that survives restarts)"),
     setting!("FIREKEEPER_KEY_PREFIX", Kind::Text, |r, v| r.lease.key_prefix = v.into(), |d| d.lease.key_prefix.clone(), "Redis keys are `{prefix}:lease`, `{prefix}:fence`, `{prefix}:cursor:<fingerprint>` (one hash tag); NATS buckets `<prefix>-lease` and `<prefix>-state` (with NATS the prefix must be letters, digits, `_` or `-`: other characters are refused, never folded)"),
     text!("FIREKEEPER_LEGACY_CURSOR_PREFIX", Kind::Text, legacy_cursor_prefix, "none", "migrate legacy `<prefix>:<host>` cursors (root relay URLs only)"),
     millis!("FIREKEEPER_LEASE_TTL_MS", lease.ttl, "lease key ttl"),
@@ -374,6 +375,7 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_LEASE_OP_TIMEOUT_MS", lease.op_timeout, "hard timeout of every Redis call"),
     millis!("FIREKEEPER_LEASE_MARGIN_MS", lease.margin, "the leader stops acting this long before the key could expire"),
     millis!("FIREKEEPER_LEASE_POLL_MS", lease.poll, "standby poll (±20 % jitter); standbys also wake on release"),
+    choice!("FIREKEEPER_START", Start, options.start, "where a term starts when the cursor store holds no cursor for its relay and no earlier term is known (lease token 1, nothing in this replica's shadow file): a deployment's very first start, or a store that lost its data, which look alike. `refuse` (stop and say so: set the cursor with `firekeeper cursor set`), `live` (the relay's live tail) or `oldest` (the oldest event the relay still has). Meant for the first start: once a term ran (token above 1) a missing cursor always refuses, whatever this says"),
     millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed (one write in flight; intake reads on meanwhile); a quiet stream writes its cursor again every 10 intervals, so a store that lost it gets it back"),
     millis!("FIREKEEPER_DRAIN_BUDGET_MS", options.drain_budget, "step-down drain budget"),
     millis!("FIREKEEPER_UNCOMMITTED_MAX_MS", options.uncommitted_max, "when the cursor store takes no commit for this long while there is something to commit, intake waits until one lands (not ready meanwhile, `commit_stalled` in `/status`): what a crash can repeat stays bounded by what was handed over in this long"),

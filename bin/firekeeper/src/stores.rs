@@ -40,6 +40,40 @@ pub fn lease_file(cfg: &Config) -> PathBuf {
     cfg.data_dir.join("lease.lock")
 }
 
+/// This replica's shadow file: the highest token and the cursors it saw, per lease key
+/// prefix (one data directory may serve replicas of several deployments).
+#[must_use]
+pub fn shadow_file(cfg: &Config) -> PathBuf {
+    let prefix: String = cfg
+        .lease
+        .key_prefix
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .collect();
+    cfg.data_dir.join(format!("shadow-{prefix}.json"))
+}
+
+/// What the Redis the lease or cursors live on keeps across a restart, as a sentence
+/// (`Ok`: fine, `Err`: a risk to warn about); `None` when Redis holds neither.
+pub async fn redis_persistence(cfg: &Config) -> Option<Result<String, String>> {
+    let uses_redis = cfg.lease_backend == LeaseKind::Redis || cfg.store == StoreKind::Redis;
+    let url = cfg.redis_url.as_deref().filter(|_| uses_redis)?;
+    let advice = "the lease fence and the cursors should survive a restart: set `appendonly yes` with \
+                  `appendfsync everysec` (or `always`) on it (docs/RELIABILITY.md, \"A store that loses its data\")";
+    let conn = match redis_op::Conn::open(url, cfg.lease.op_timeout.max(std::time::Duration::from_secs(2))) {
+        Ok(c) => c,
+        Err(e) => return Some(Err(format!("cannot ask Redis how it persists ({e})"))),
+    };
+    Some(match conn.persistence().await {
+        Ok(Some(p)) => match p.risk() {
+            None => Ok(format!("Redis keeps an append-only file (appendfsync {})", p.fsync)),
+            Some(risk) => Err(format!("Redis has {risk}; {advice}")),
+        },
+        Ok(None) => Err(format!("Redis does not say how it persists (CONFIG GET refused); {advice}")),
+        Err(e) => Err(format!("cannot ask Redis how it persists ({e})")),
+    })
+}
+
 /// Opens the cursor store for `cfg`.
 pub async fn open_store(cfg: &Config) -> Result<Arc<dyn CursorStore>> {
     Ok(match cfg.store {
