@@ -369,3 +369,18 @@ async fn eventually_keys(c: &Cluster, n: usize) {
         sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Issue 40: Redis restarts empty while the leader is frozen and a replica that knows
+/// nothing starts (was: it took token 1 again and started at the live tail, 261 seqs
+/// never delivered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lost_its_data_while_the_leader_was_frozen_loses_nothing() {
+    faults::store_lost_while_leader_frozen("lost", false, None).await;
+}
+
+/// The same with `FIREKEEPER_START=live` left in every replica's settings: the replica
+/// that knows nothing must not be the one that takes the empty store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lost_its_data_with_a_live_start_setting_loses_nothing() {
+    faults::store_lost_while_leader_frozen("lostlive", false, Some("live")).await;
+}

@@ -322,3 +322,10 @@ async fn a_rolling_ttl_change_never_gives_two_leaders() {
     assert!(testkit::proc::sigterm_and_wait(b).success());
     assert!(testkit::proc::sigterm_and_wait(a).success());
 }
+
+/// Issue 40 on NATS: the server comes back with no data while the leader is frozen and a
+/// replica that knows nothing starts, with `FIREKEEPER_START=live` in its settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_lost_its_data_while_the_leader_was_frozen_loses_nothing() {
+    faults::store_lost_while_leader_frozen("nlost", true, Some("live")).await;
+}

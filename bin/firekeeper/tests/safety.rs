@@ -373,7 +373,8 @@ async fn a_frozen_leader_writes_none_of_the_batches_waiting_for_the_jsonl_lock_a
 }
 
 /// Defect 8: a missing cursor after earlier terms (the store lost it) silently started
-/// from the live tail.
+/// from the live tail. Issue 40: the replica runs on another disk (its shadow file knows
+/// nothing) and there is no `FIREKEEPER_START`: it refuses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_cursor_after_earlier_terms_stops_instead_of_skipping_to_the_live_tail() {
     let redis = RedisServer::start();
@@ -389,10 +390,12 @@ async fn a_missing_cursor_after_earlier_terms_stops_instead_of_skipping_to_the_l
     })
     .await;
     assert!(sigterm_and_wait(a).success());
-    // The store loses the cursor (eviction, a partial restore), the fence counter stays.
+    // The store loses the cursor (eviction, a partial restore), the fence counter stays;
+    // the next replica runs on another machine (nothing in its shadow file).
     let mut admin = redis.admin();
     let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
     let _: () = redis::cmd("DEL").arg(format!("{{firekeeper}}:cursor:{fp}")).query(&mut admin).expect("del");
+    env.insert("FIREKEEPER_DATA_DIR".into(), dir.join("elsewhere").to_string_lossy().into_owned());
     let b = firekeeper(&env, &[], &dir.join("b.log"));
     let status = tokio::task::spawn_blocking(move || wait_exit(b)).await.expect("join");
     let log = log_of(&dir, "b.log");

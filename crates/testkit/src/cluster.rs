@@ -203,11 +203,14 @@ pub trait StoreServer {
     /// Killed and started again on the same port (Redis comes back empty; NATS keeps
     /// its store).
     fn restart(&mut self);
+    /// Killed and started again on the same port with no data at all (a Redis without
+    /// persistence, a NATS whose volume was lost).
+    fn lose_data(&mut self);
 }
 
 /// Both servers answer the seam with their own methods of the same names.
 macro_rules! store_server {
-    ($t:ty, $kind:literal) => {
+    ($t:ty, $kind:literal, $lose:ident) => {
         impl StoreServer for $t {
             fn kind(&self) -> &'static str {
                 $kind
@@ -221,11 +224,14 @@ macro_rules! store_server {
             fn restart(&mut self) {
                 Self::restart(self);
             }
+            fn lose_data(&mut self) {
+                Self::$lose(self);
+            }
         }
     };
 }
-store_server!(crate::RedisServer, "redis");
-store_server!(crate::NatsServer, "nats");
+store_server!(crate::RedisServer, "redis", restart);
+store_server!(crate::NatsServer, "nats", wipe);
 
 /// The primary relay's frames for a spec.
 fn relay_frames(spec: &Spec) -> Vec<crate::bytes_compat::Bytes> {
@@ -485,6 +491,8 @@ impl Cluster {
             env.insert(var.into(), url);
             let http = format!("127.0.0.1:{}", free_port());
             env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
+            // A disk of its own, kept across restarts of the slot (its shadow file).
+            env.insert("FIREKEEPER_DATA_DIR".into(), dir.join(format!("r{i}-data")).to_string_lossy().into_owned());
             proxies.push(proxy);
             replicas.push(Replica {
                 name: format!("r{i}"),
@@ -601,6 +609,34 @@ impl Cluster {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Waits until the stored cursor reached the last seq (whether or not every seq was
+    /// delivered: [`Cluster::check`] then names what is missing).
+    pub async fn wait_cursor_end(&self) {
+        let deadline = Instant::now() + WAIT;
+        while self.cursor_history.lock().expect("history").last().copied() != Some(self.total) {
+            assert!(
+                Instant::now() < deadline,
+                "the cursor never reached {}; logs in {}",
+                self.total,
+                self.dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// token → the replicas whose output carries it: two live terms that shared a token
+    /// and both delivered show up as a token with two replicas.
+    #[must_use]
+    pub fn writers_by_token(&self) -> BTreeMap<u64, std::collections::BTreeSet<usize>> {
+        let mut m: BTreeMap<u64, std::collections::BTreeSet<usize>> = BTreeMap::new();
+        for writers in self.seen().values() {
+            for (replica, token) in writers {
+                m.entry(*token).or_default().insert(*replica);
+            }
+        }
+        m
     }
 
     /// The oracle. Returns the number of duplicated seqs (allowed only after crashes).

@@ -195,3 +195,71 @@ pub async fn store_paused_past_the_ttl(name: &str, nats: bool) {
     c.wait_complete().await;
     c.check();
 }
+
+/// Issue 40, the review's scenario: three replicas, ttl 4 s, 250 events/s. The leader
+/// freezes (SIGSTOP), the lease and cursor store comes back with no data, and one second
+/// later a third replica starts knowing nothing. Nothing may go undelivered, and no two
+/// live terms may both deliver under one token. `start` is the replicas'
+/// `FIREKEEPER_START` (`live`: a manifest that kept its first-start setting).
+///
+/// # Panics
+/// On any oracle failure.
+pub async fn store_lost_while_leader_frozen(name: &str, nats: bool, start: Option<&str>) {
+    let mut extra_env = Vec::new();
+    if let Some(s) = start {
+        extra_env.push(("FIREKEEPER_START", s.to_owned()));
+    }
+    let spec = Spec { replicas: 3, copies: 2, rate: Some(250), ttl_ms: 4000, nats, extra_env, ..Spec::default() };
+    let mut c = Cluster::start(name, spec).await;
+    c.replicas[0].start();
+    let (l, t) = c.wait_leader(None).await;
+    c.replicas[1].start();
+    let deadline = Instant::now() + crate::WAIT;
+    while c.replicas[1].status().await.is_none_or(|s| s["role"] != "standby") {
+        assert!(Instant::now() < deadline, "r1 never stood by");
+        sleep(Duration::from_millis(20)).await;
+    }
+    progress(&c, 500).await;
+    c.replicas[l].sigstop();
+    // What the frozen leader wrote before it froze; what it writes after it wakes was
+    // never committed and delivers nothing (`undelivered` does not count it).
+    let frozen = c.replicas[l].out_files().last().cloned().expect("an output file");
+    let frozen_len = std::fs::metadata(&frozen).map_or(0, |m| m.len());
+    c.store_server().lose_data();
+    sleep(Duration::from_secs(1)).await;
+    c.replicas[2].start();
+    let (l2, t2) = c.wait_leader(Some(l)).await;
+    c.replicas[l].sigcont();
+    c.wait_cursor_end().await;
+    let missing = undelivered(&c, &frozen, frozen_len);
+    assert!(
+        missing.is_empty(),
+        "{} seqs never delivered, from {:?}; logs in {}",
+        missing.len(),
+        missing.first(),
+        c.dir.display()
+    );
+    c.check();
+    let shared: Vec<_> = c.writers_by_token().into_iter().filter(|(_, w)| w.len() > 1).collect();
+    assert!(shared.is_empty(), "terms of different replicas delivered under one token: {shared:?}");
+    eprintln!("{name}: leader r{l} token {t} frozen; r{l2} took over with token {t2}");
+}
+
+/// The seqs in no output, where `cut`'s output counts only its first `len` bytes.
+fn undelivered(c: &Cluster, cut: &std::path::Path, len: u64) -> Vec<u64> {
+    let mut delivered = std::collections::BTreeSet::new();
+    for f in c.replicas.iter().flat_map(crate::cluster::Replica::out_files) {
+        let Ok(mut bytes) = std::fs::read(&f) else { continue };
+        if f == cut {
+            bytes.truncate(usize::try_from(len).unwrap_or(usize::MAX));
+        }
+        for line in String::from_utf8_lossy(&bytes).lines() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(line)
+                && let Some(seq) = v["seq"].as_u64()
+            {
+                delivered.insert(seq);
+            }
+        }
+    }
+    (1..=c.total).filter(|s| !delivered.contains(s)).collect()
+}
