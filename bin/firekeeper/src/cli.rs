@@ -67,13 +67,17 @@ pub enum CursorAction {
         #[arg(long, value_enum, default_value_t = Relay::Primary)]
         relay: Relay,
     },
-    /// Preseed or override a cursor (operator tool; unfenced).
+    /// Preseed or override a cursor (operator tool; unfenced). Refused while a leader
+    /// holds the lease (it would overwrite the value within a second) unless --force.
     Set {
         /// The seq to resume after.
         seq: u64,
         /// Which relay.
         #[arg(long, value_enum, default_value_t = Relay::Primary)]
         relay: Relay,
+        /// Write even while a leader holds the lease.
+        #[arg(long)]
+        force: bool,
     },
 }
 

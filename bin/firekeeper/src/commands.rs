@@ -3,12 +3,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use checkpoint::ReadOutcome;
 use relay_client::{Item, RelayRole, RelayUrl, Subscription};
 
 use crate::cli::Relay;
-use crate::config::Config;
+use crate::config::{Config, StoreKind};
+use crate::output::say;
 use crate::stores::{open_lease, open_store};
 
 fn relay(cfg: &Config, r: Relay) -> Result<(RelayRole, &RelayUrl)> {
@@ -28,29 +29,104 @@ pub async fn cursor_show(cfg: &Config, r: Relay) -> Result<()> {
         ReadOutcome::Missing => "none".into(),
         ReadOutcome::Corrupt(v) => format!("corrupt ({v})"),
     };
-    println!("{role} {} cursor {shown}", url.fingerprint());
+    say!("{role} {} cursor {shown}", url.fingerprint())
+}
+
+/// Sets a relay's cursor, unfenced: says which store, relay and value it wrote, and
+/// refuses to write under a running leader (which would overwrite it within a second)
+/// unless `force`, or into the embedded file store while a variable that looks like
+/// another store's is set (`REDIS_ULR`).
+pub async fn cursor_set(cfg: &Config, r: Relay, seq: u64, force: bool) -> Result<()> {
+    let (role, url) = relay(cfg, r)?;
+    let vars: std::collections::HashMap<String, String> = std::env::vars().collect();
+    if cfg.store == StoreKind::File && !vars.contains_key("FIREKEEPER_CURSOR_STORE") {
+        let near = crate::settings::lookalikes(&vars);
+        if !near.is_empty() {
+            let named: Vec<String> = near.iter().map(|(set, meant)| format!("{set} (meant {meant}?)")).collect();
+            bail!(
+                "no REDIS_URL, NATS_URL or FIREKEEPER_CURSOR_STORE, so this would write the local file store in {},                  but {} is set: fix the variable's name, or set FIREKEEPER_CURSOR_STORE=file to mean the file store",
+                absolute(&cfg.data_dir),
+                named.join(", ")
+            );
+        }
+    }
+    let lease = open_lease(cfg).await?.snapshot().await?;
+    let running = lease.holder.as_deref();
+    if let Some(holder) = running
+        && !force
+    {
+        bail!(
+            "a leader is running ({holder}, fence {}): it commits its own cursor within a second and would              overwrite this one; stop every replica first (or pass --force to write anyway)",
+            lease.fence
+        );
+    }
+    let store = open_store(cfg).await?;
+    let before = match store.read(url.fingerprint()).await? {
+        ReadOutcome::Found(c) => c.to_string(),
+        ReadOutcome::Missing => "none".into(),
+        ReadOutcome::Corrupt(v) => format!("corrupt ({v})"),
+    };
+    store.force(url.fingerprint(), seq).await?;
+    say!(
+        "{role} relay {} (fingerprint {}): cursor set to {seq} (was {before}) in {}",
+        url.redacted(),
+        url.fingerprint(),
+        describe_store(cfg)
+    )?;
+    if let Some(holder) = running {
+        eprintln!("warning: the running leader {holder} will commit over this unless it stops first");
+    }
     Ok(())
 }
 
-/// Sets a relay's cursor, unfenced.
-pub async fn cursor_set(cfg: &Config, r: Relay, seq: u64) -> Result<()> {
-    let (role, url) = relay(cfg, r)?;
-    open_store(cfg).await?.force(url.fingerprint(), seq).await?;
-    println!("{role} {} cursor set to {seq}", url.fingerprint());
-    Ok(())
+/// Where the cursors live, for an operator: the store kind and its address without
+/// credentials (or the file store's absolute path).
+pub fn describe_store(cfg: &Config) -> String {
+    let prefix = &cfg.lease.key_prefix;
+    match cfg.store {
+        StoreKind::Redis => {
+            format!(
+                "the redis store {} (key prefix {prefix})",
+                cfg.redis_url.as_deref().map_or_else(String::new, address)
+            )
+        }
+        StoreKind::Nats => format!(
+            "the nats store {} (key prefix {prefix})",
+            cfg.nats.as_ref().map_or_else(String::new, |n| nats_op::redact(&n.url))
+        ),
+        StoreKind::File => format!("the file store {}", absolute(&cfg.data_dir.join("cursors"))),
+        StoreKind::Postgres => {
+            format!("the postgres store {}", cfg.database_url.as_deref().map_or_else(String::new, address))
+        }
+    }
+}
+
+/// A URL shown with scheme, host, port and path: no user, password or query.
+pub fn address(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(u) => {
+            let port = u.port_or_known_default().map_or_else(String::new, |p| format!(":{p}"));
+            let path = if u.path() == "/" { "" } else { u.path() };
+            format!("{}://{}{port}{path}", u.scheme(), u.host_str().unwrap_or(""))
+        }
+        Err(_) => "(not a URL)".into(),
+    }
+}
+
+fn absolute(p: &Path) -> String {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string()
 }
 
 /// Prints the lease state.
 pub async fn lease_show(cfg: &Config) -> Result<()> {
     let snap = open_lease(cfg).await?.snapshot().await?;
-    println!(
+    say!(
         "holder {} fence {} fence-seen {} ttl {}",
         snap.holder.as_deref().unwrap_or("none"),
         snap.fence,
         snap.fence_seen,
         snap.ttl.map_or_else(|| "-".into(), |t| format!("{}ms", t.as_millis()))
-    );
-    Ok(())
+    )
 }
 
 /// Prints the desynchronised repos a running replica lists at `/repos/invalid`.
@@ -74,13 +150,13 @@ pub async fn repos_invalid(cfg: &Config, addr: Option<std::net::SocketAddr>) -> 
         eprintln!("that replica is {role}: only the leader verifies; ask the leader");
     }
     for r in v["repos"].as_array().into_iter().flatten() {
-        println!(
+        say!(
             "{} seq {} {} rev {}",
             r["repo"].as_str().unwrap_or("?"),
             r["seq"],
             r["reason"].as_str().unwrap_or("?"),
             r["rev"].as_str().unwrap_or("-")
-        );
+        )?;
     }
     Ok(())
 }
@@ -94,7 +170,10 @@ pub async fn capture(
     seconds: Option<u64>,
 ) -> Result<()> {
     let shown = file.display();
-    let mut out = std::io::BufWriter::new(std::fs::File::create(file).with_context(|| format!("creating {shown}"))?);
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create_new(file)
+            .with_context(|| format!("creating {shown} (an existing file is never overwritten)"))?,
+    );
     let mut sub = Subscription::new(cfg.client.clone(), cfg.relay.clone(), None);
     sub.start(RelayRole::Primary, cursor);
     let deadline = seconds.map(|s| tokio::time::Instant::now() + Duration::from_secs(s));

@@ -8,6 +8,7 @@ mod cli;
 mod commands;
 mod config;
 mod http;
+mod output;
 mod settings;
 mod shutdown;
 mod stores;
@@ -34,8 +35,7 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Some(Command::Settings)) {
-        print!("{}", settings::markdown_table());
-        return ExitCode::SUCCESS;
+        return finish(output::write(&settings::markdown_table()).context("writing to standard output"), false);
     }
     let cfg = match Config::from_env() {
         Ok(c) => c,
@@ -45,37 +45,61 @@ fn main() -> ExitCode {
         }
     };
     if matches!(cli.command, Some(Command::CheckConfig)) {
-        println!("configuration ok: {}", cfg.summary());
-        for line in settings::effective(&std::env::vars().collect()) {
-            println!("  {line}");
-        }
-        if let Some(p) = check_redis(&cfg) {
-            match p {
-                Ok(fine) => println!("{fine}"),
-                Err(warning) => println!("warning: {warning}"),
-            }
-        }
-        return ExitCode::SUCCESS;
+        return finish(check_config(&cfg), false);
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let r = telemetry::init(cfg.log_json).and_then(|guard| {
+    let json = cfg.log_json;
+    let r = telemetry::init(json).and_then(|guard| {
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
         let r = rt.block_on(dispatch(cfg, cli.command.unwrap_or(Command::Run)));
         drop(guard);
         r
     });
-    match r {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            let hint = advice::advice(&e);
-            tracing::error!(error = %format!("{e:#}"), hint, "firekeeper stopped with an error");
-            eprintln!("firekeeper: {e:#}");
-            if let Some(h) = hint {
-                eprintln!("  what to do: {h}");
-            }
-            ExitCode::FAILURE
+    finish(r, json)
+}
+
+/// The exit: 0, quietly when the reader of stdout went away (`| head -1`); else the
+/// error once, as a JSON log line under `FIREKEEPER_LOG_FORMAT=json` or as text with
+/// what to do, and 1.
+fn finish(r: Result<()>, json: bool) -> ExitCode {
+    let Err(e) = r else { return ExitCode::SUCCESS };
+    if output::reader_gone(&e) {
+        return ExitCode::SUCCESS;
+    }
+    let hint = advice::advice(&e);
+    if json {
+        tracing::error!(error = %format!("{e:#}"), hint, "firekeeper stopped with an error");
+    } else {
+        eprintln!("firekeeper: {e:#}");
+        if let Some(h) = hint {
+            eprintln!("  what to do: {h}");
         }
     }
+    ExitCode::FAILURE
+}
+
+/// `check-config`: the summary, every setting's effective value, look-alike variables and
+/// what Redis keeps across a restart.
+fn check_config(cfg: &Config) -> Result<()> {
+    use std::fmt::Write as _;
+    let vars = std::env::vars().collect();
+    let mut out = format!("configuration ok: {}\n", cfg.summary());
+    for line in settings::effective(&vars) {
+        let _ = writeln!(out, "  {line}");
+    }
+    for (set, meant) in settings::lookalikes(&vars) {
+        let _ = writeln!(out, "warning: {set} is set but is not a firekeeper setting: did you mean {meant}?");
+    }
+    if let Some(p) = check_redis(cfg) {
+        match p {
+            Ok(fine) => out.push_str(&fine),
+            Err(warning) => {
+                let _ = write!(out, "warning: {warning}");
+            }
+        }
+        out.push('\n');
+    }
+    output::write(&out).context("writing to standard output")
 }
 
 /// `check-config`'s question to Redis about persistence, on a runtime of its own.
@@ -89,7 +113,9 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
         Command::Run => Box::pin(run(cfg)).await,
         Command::CheckConfig | Command::Settings => Ok(()),
         Command::Cursor { action: CursorAction::Show { relay } } => commands::cursor_show(&cfg, relay).await,
-        Command::Cursor { action: CursorAction::Set { seq, relay } } => commands::cursor_set(&cfg, relay, seq).await,
+        Command::Cursor { action: CursorAction::Set { seq, relay, force } } => {
+            commands::cursor_set(&cfg, relay, seq, force).await
+        }
         Command::Lease { action: LeaseAction::Show } => commands::lease_show(&cfg).await,
         Command::Repos { action: ReposAction::Invalid { addr } } => commands::repos_invalid(&cfg, addr).await,
         Command::Capture { file, cursor, limit, seconds } => {

@@ -450,11 +450,63 @@ pub fn read(vars: &HashMap<String, String>) -> (Raw, Vec<String>) {
     let mut unknown: Vec<String> = vars
         .keys()
         .filter(|k| k.starts_with("FIREKEEPER_") && !SETTINGS.iter().any(|s| s.name == k.as_str()))
-        .map(|u| format!("{u} is not a firekeeper setting (see the README's table)"))
+        .map(|u| match nearest(u) {
+            Some(n) => format!("{u} is not a firekeeper setting: did you mean {n}?"),
+            None => format!("{u} is not a firekeeper setting (see the README's table)"),
+        })
         .collect();
     unknown.sort();
     errors.extend(unknown);
     (raw, errors)
+}
+
+/// The setting whose name is within two edits (a transposition counts one) of `name`.
+fn nearest(name: &str) -> Option<&'static str> {
+    SETTINGS.iter().map(|s| (edits(name, s.name), s.name)).filter(|(d, _)| *d <= 2).min().map(|(_, n)| n)
+}
+
+/// Variables set in the environment that are not ours but are spelt within two edits of a
+/// setting without the `FIREKEEPER_` prefix (`REDIS_ULR`, `DATABSE_URL`): the setting
+/// they were meant as falls back to its default, so `check-config` and the start warn.
+/// Pairs of (the variable set, the setting it looks like), sorted.
+#[must_use]
+pub fn lookalikes(vars: &HashMap<String, String>) -> Vec<(String, &'static str)> {
+    let mut found: Vec<(String, &'static str)> = vars
+        .keys()
+        .filter(|k| !k.starts_with("FIREKEEPER_") && !SETTINGS.iter().any(|s| s.name == k.as_str()))
+        .filter_map(|k| {
+            SETTINGS
+                .iter()
+                .filter(|s| !s.name.starts_with("FIREKEEPER_") && s.name.len() >= 6)
+                .find(|s| edits(k, s.name) <= 2 && !vars.contains_key(s.name))
+                .map(|s| (k.clone(), s.name))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// Optimal string alignment distance between two ASCII names.
+fn edits(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut v = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                v = v.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = v;
+        }
+    }
+    d[a.len()][b.len()]
 }
 
 /// The README's configuration table, one row per setting.
@@ -503,6 +555,26 @@ mod tests {
             readme.contains(&table),
             "README.md's configuration table differs from SETTINGS; paste this table:\n{table}"
         );
+    }
+
+    #[test]
+    fn lookalikes_of_unprefixed_settings_are_named() {
+        let vars: HashMap<String, String> = [
+            ("REDIS_ULR", "redis://x"),
+            ("DATABSE_URL", "postgres://x"),
+            ("HOME", "/root"),
+            ("PATH", "/bin"),
+            ("NATS_URL", "nats://x"),
+        ]
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+        assert_eq!(
+            lookalikes(&vars),
+            vec![("DATABSE_URL".to_owned(), "DATABASE_URL"), ("REDIS_ULR".to_owned(), "REDIS_URL")]
+        );
+        let (_, errors) = read(&[("FIREKEEPER_LANSE".to_owned(), "4".to_owned())].into_iter().collect());
+        assert_eq!(errors, vec!["FIREKEEPER_LANSE is not a firekeeper setting: did you mean FIREKEEPER_LANES?"]);
     }
 
     #[test]

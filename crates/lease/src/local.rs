@@ -59,6 +59,24 @@ impl LocalBackend {
         Ok(())
     }
 
+    /// The holder named in the lock file, only while a process (this one or another)
+    /// holds the lock: a process killed without releasing leaves its name behind.
+    fn live_holder(&self) -> Option<String> {
+        if let Ok(held) = self.held.lock()
+            && let Some((_, v)) = held.as_ref()
+        {
+            return Some(v.clone());
+        }
+        let f = OpenOptions::new().read(true).write(true).open(&self.lock_path).ok()?;
+        match f.try_lock() {
+            Ok(()) => {
+                let _ = f.unlock();
+                None
+            }
+            Err(_) => self.read_holder(),
+        }
+    }
+
     fn read_holder(&self) -> Option<String> {
         let s = std::fs::read_to_string(&self.lock_path).ok()?;
         let s = s.trim();
@@ -134,7 +152,7 @@ impl Backend for LocalBackend {
 
     async fn snapshot(&self) -> Result<Snapshot, BackendError> {
         let fence = self.read_fence()?;
-        Ok(Snapshot { holder: self.read_holder(), fence, fence_seen: fence, ttl: None })
+        Ok(Snapshot { holder: self.live_holder(), fence, fence_seen: fence, ttl: None })
     }
 
     fn release_signal(&self) -> Option<Arc<Notify>> {
