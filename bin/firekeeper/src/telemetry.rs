@@ -71,6 +71,7 @@ pub fn metrics() -> Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new().install_recorder().context("installing the metrics recorder")?;
     consumer::metrics::register(consumer::metrics::ALL);
     consumer::metrics::register(lease::metrics::ALL);
+    consumer::metrics::announce_build();
     Ok(handle)
 }
 

@@ -279,13 +279,22 @@ async fn metrics_and_status_are_scraped_while_leading() {
     assert_eq!(status["role"], "leader");
     assert_eq!(status["relay"], "primary");
     assert!(status["token"].as_u64().is_some());
-    let (code, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    let (code, mut metrics) = http_get(&addr, "/metrics").await.expect("metrics");
     assert_eq!(code, 200);
+    // The committed-seq gauge follows the status at the next tick.
+    let deadline = Instant::now() + WAIT;
+    while !metrics.contains("firekeeper_committed_seq 1476") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        metrics = http_get(&addr, "/metrics").await.expect("metrics").1;
+    }
     for m in [
         "firekeeper_events_total{type=\"#commit\"} 1374",
         "firekeeper_leader 1",
         "firekeeper_commits_total{outcome=\"saved\"}",
-        "firekeeper_lag_seq",
+        "firekeeper_uncommitted_seq 0",
+        "firekeeper_committed_seq 1476",
+        "firekeeper_relay_connected 1",
+        concat!("firekeeper_build_info{version=\"", env!("CARGO_PKG_VERSION"), "\"} 1"),
     ] {
         assert!(metrics.contains(m), "{m} missing from /metrics:\n{metrics}");
     }

@@ -30,8 +30,14 @@ pub const UNSTORABLE: &str = "firekeeper_sink_unstorable_total";
 pub const LEADER: &str = "firekeeper_leader";
 /// Age of the newest delivered event.
 pub const LAG_SECONDS: &str = "firekeeper_lag_seconds";
-/// Delivered minus committed seq.
-pub const LAG_SEQ: &str = "firekeeper_lag_seq";
+/// Delivered minus committed seq: what a crash now would deliver again.
+pub const UNCOMMITTED_SEQ: &str = "firekeeper_uncommitted_seq";
+/// The leader's committed cursor (seq) on the relay it consumes.
+pub const COMMITTED_SEQ: &str = "firekeeper_committed_seq";
+/// 1 while the leader's relay connection is up.
+pub const RELAY_CONNECTED: &str = "firekeeper_relay_connected";
+/// 1, labelled with the running version.
+pub const BUILD_INFO: &str = "firekeeper_build_info";
 /// Events delivered and not yet done.
 pub const QUEUE_DEPTH: &str = "firekeeper_queue_depth";
 /// 1 while the leader consumes from the secondary relay.
@@ -77,10 +83,10 @@ const fn gauge(name: &'static str, help: &'static str) -> Metric {
 pub const ALL: &[Metric] = &[
     counter(EVENTS, "events handed to the sink, by type", &[("type", "#commit")]),
     counter(COMMITS, "cursor commits, by outcome", &[("outcome", "saved")]),
-    counter(RECONNECTS, "relay connections that ended", &[("relay", "primary"), ("reason", "none")]),
+    counter(RECONNECTS, "relay connections that ended", &[("relay", "primary"), ("reason", "closed_by_relay")]),
     counter(RELAY_SWITCHES, "relay switches", &[("to", "secondary"), ("kind", "failover")]),
-    counter(ERROR_FRAMES, "error frames from the relay", &[("error", "none")]),
-    counter(BAD_FRAMES, "undecodable frames", &[("reason", "none"), ("action", "skipped")]),
+    counter(ERROR_FRAMES, "error frames from the relay", &[("error", "ConsumerTooSlow")]),
+    counter(BAD_FRAMES, "undecodable frames", &[("reason", "cbor"), ("action", "skipped")]),
     counter(GAPS, "gaps accepted in the stream", &[("reason", "future_cursor")]),
     counter(SEQ_BACKWARDS, "times the relay's seq went backwards", &[]),
     counter(OUTDATED_CURSOR, "OutdatedCursor notices (events were missed)", &[]),
@@ -107,12 +113,42 @@ pub const ALL: &[Metric] = &[
     gauge(LEADER, "1 while this replica leads"),
     gauge(DESYNC_REPOS, "repos marked desynchronised by an invalid event"),
     gauge(VERIFY_HELD, "events held because their DID does not resolve now"),
-    gauge(LAG_SECONDS, "age of the newest delivered event (relay time to now)"),
-    gauge(LAG_SEQ, "delivered minus committed seq"),
+    gauge(LAG_SECONDS, "the leader's age of the newest delivered event (relay time to now); 0 on a standby"),
+    gauge(
+        UNCOMMITTED_SEQ,
+        "the leader's delivered minus committed seq (what a crash now would deliver again); 0 on a standby",
+    ),
+    gauge(COMMITTED_SEQ, "the leader's committed cursor on the relay it consumes; 0 on a standby"),
+    gauge(RELAY_CONNECTED, "1 while the leader's relay connection is up"),
     gauge(QUEUE_DEPTH, "events delivered and not yet done"),
     gauge(ON_SECONDARY, "1 while the leader consumes from the secondary relay"),
     gauge(CHAIN_REPOS, "repos the chain check remembers"),
     gauge(SWITCH_REFUSED_NOW, "1 while a refused relay switch holds the leader on its relay"),
+    Metric {
+        name: BUILD_INFO,
+        kind: MetricKind::Gauge,
+        help: "1, labelled with the running version",
+        labels: &[("version", env!("CARGO_PKG_VERSION"))],
+    },
+];
+
+/// Sets [`BUILD_INFO`] to 1 (after [`register`] put every gauge at zero).
+pub fn announce_build() {
+    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// The gauges only a leader's term sets: zeroed when the term ends, so that a standby
+/// (an ex-leader) does not keep showing its last lag to a `max()` alert.
+pub(crate) const LEADER_GAUGES: &[&str] = &[
+    LEADER,
+    LAG_SECONDS,
+    UNCOMMITTED_SEQ,
+    COMMITTED_SEQ,
+    RELAY_CONNECTED,
+    QUEUE_DEPTH,
+    ON_SECONDARY,
+    CHAIN_REPOS,
+    SWITCH_REFUSED_NOW,
 ];
 
 /// `firekeeper_events_total`, one handle per type, registered once per term: the

@@ -228,7 +228,9 @@ async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> R
             Some(LeaseEvent::Elected(term)) => {
                 let token = term.token();
                 let end = term::run_term(cx, term).await;
-                ::metrics::gauge!(metrics::LEADER).set(0.0);
+                for g in metrics::LEADER_GAUGES {
+                    ::metrics::gauge!(*g).set(0.0);
+                }
                 cx.status.term_over();
                 cx.status.update(|s| {
                     s.role = Role::Standby;

@@ -37,7 +37,8 @@ pub fn register(defs: &[Metric]) {
             }
             MetricKind::Gauge => {
                 metrics::describe_gauge!(m.name, m.help);
-                metrics::gauge!(m.name).set(0.0);
+                let labels: Vec<metrics::Label> = m.labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)).collect();
+                metrics::gauge!(m.name, labels).set(0.0);
             }
             MetricKind::Histogram => metrics::describe_histogram!(m.name, m.help),
         }

@@ -114,6 +114,12 @@ impl Replica {
         (code == 200).then(|| serde_json::from_str(&body).ok()).flatten()
     }
 
+    /// Its `/metrics` text; `None` when it does not answer.
+    pub async fn metrics(&self) -> Option<String> {
+        let (code, body) = http_get(&self.http, "/metrics").await?;
+        (code == 200).then_some(body)
+    }
+
     /// Peak resident set size in KiB.
     #[must_use]
     pub fn peak_rss_kib(&self) -> Option<u64> {

@@ -94,6 +94,19 @@ pub async fn sigstop_past_ttl(name: &str, nats: bool) -> (Cluster, u64, u64, usi
     let after = c.seen().values().flatten().filter(|(_, tok)| *tok == t).count();
     let status = c.replicas[l].status().await.expect("woken replica answers");
     assert_eq!(status["role"], "standby", "the woken replica knows it lost");
+    // An ex-leader shows no leader's figures: a `max()` over replicas (the lag alert)
+    // must not keep seeing its last lag.
+    let metrics = c.replicas[l].metrics().await.expect("woken replica answers /metrics");
+    for g in [
+        "firekeeper_leader",
+        "firekeeper_lag_seconds",
+        "firekeeper_uncommitted_seq",
+        "firekeeper_committed_seq",
+        "firekeeper_relay_connected",
+        "firekeeper_queue_depth",
+    ] {
+        assert!(metrics.lines().any(|line| line == format!("{g} 0")), "a standby's {g} is not 0:\n{metrics}");
+    }
     c.wait_complete().await;
     c.check();
     (c, t, t2, after - before)

@@ -256,7 +256,10 @@ impl Leader<'_, '_> {
         }
         let (delivered, in_flight) = (self.sub.cursor(), self.p.watermark.in_flight());
         let lag = delivered.zip(self.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
-        metrics::gauge!(m::LAG_SEQ).set(lag as f64);
+        metrics::gauge!(m::UNCOMMITTED_SEQ).set(lag as f64);
+        if let Some(c) = self.p.committed {
+            metrics::gauge!(m::COMMITTED_SEQ).set(c as f64);
+        }
         let lag_seconds = age_seconds(&self.last_time);
         if let Some(l) = lag_seconds {
             metrics::gauge!(m::LAG_SECONDS).set(l);

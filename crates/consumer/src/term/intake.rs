@@ -23,10 +23,12 @@ fn on_notice(cx: &Ctx<'_>, n: &Notice) {
     match n {
         Notice::Connected { relay, .. } => {
             cx.status.update(|s| s.connected = true);
+            metrics::gauge!(m::RELAY_CONNECTED).set(1.0);
             tracing::info!(relay = relay.as_str(), "relay connected");
         }
         Notice::Disconnected { relay, error, .. } => {
             cx.status.update(|s| s.connected = false);
+            metrics::gauge!(m::RELAY_CONNECTED).set(0.0);
             metrics::counter!(m::RECONNECTS, "relay" => relay.as_str(), "reason" => error.reason()).increment(1);
             if let relay_client::ConnError::ErrorFrame { error, .. } = error {
                 metrics::counter!(m::ERROR_FRAMES, "error" => error.clone()).increment(1);
