@@ -62,8 +62,10 @@ fn respond(
     }
     match path.split('?').next().unwrap_or("") {
         "/healthz" => ("200 OK", "text/plain", "ok\n".into()),
-        "/readyz" if status.is_ready() => ("200 OK", "text/plain", "ready\n".into()),
-        "/readyz" => ("503 Service Unavailable", "text/plain", "not ready\n".into()),
+        "/readyz" => match status.not_ready_reason() {
+            None => ("200 OK", "text/plain", "ready\n".into()),
+            Some(why) => ("503 Service Unavailable", "text/plain", format!("not ready: {why}\n")),
+        },
         "/metrics" => ("200 OK", "text/plain; version=0.0.4", prom.render()),
         "/status" => {
             ("200 OK", "application/json", serde_json::to_string(&status.snapshot()).unwrap_or_default() + "\n")

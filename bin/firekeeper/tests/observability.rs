@@ -185,12 +185,66 @@ async fn an_unreachable_lease_store_is_named_by_address_and_cause() {
     env.insert("REDIS_URL".into(), format!("redis://:s3cret@127.0.0.1:{port}/"));
     let mut child = firekeeper(&env, &[], &dir.join("named.log"));
     let log = || std::fs::read_to_string(dir.join("named.log")).unwrap_or_default();
-    eventually("the lease store error", WAIT, async || log().contains("cannot reach the lease store")).await;
+    eventually("the lease store error", WAIT, async || log().contains("cannot use the lease store")).await;
     let _ = child.kill();
     let _ = child.wait();
     let text = log();
     assert!(text.contains(&format!("127.0.0.1:{port}")) && text.contains("connection refused"), "{text}");
     assert!(!text.contains("s3cret"), "no password in logs");
+}
+
+/// A wrong Redis password, or Redis down at start, is not a healthy standby: `/readyz`
+/// answers 503 with the reason, the failures are counted, and the log says it once (then
+/// once a minute); when the store answers, the replica is ready and leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_store_that_refuses_or_is_down_is_not_ready() {
+    let redis = testkit::RedisServer::start_with(&["--requirepass", "right"]);
+    let relay = sim(None).await;
+    let dir = tmpdir("refused");
+    let mut env = base_env(&relay.url(), &dir);
+    let http = format!("127.0.0.1:{}", free_port());
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
+    env.insert("FIREKEEPER_SINK".into(), "null".into());
+    env.insert("FIREKEEPER_START".into(), "oldest".into());
+    env.insert("REDIS_URL".into(), format!("redis://:wrong@{}", redis.addr()));
+    let mut child = firekeeper(&env, &[], &dir.join("wrong.log"));
+    let readyz = async || http_get(&http, "/readyz").await;
+    eventually("/readyz to say why it is not ready", WAIT, async || {
+        readyz().await.is_some_and(|(code, body)| code == 503 && body.contains("cannot use the lease store"))
+    })
+    .await;
+    let (_, body) = readyz().await.expect("readyz");
+    assert!(body.to_lowercase().contains("authentication"), "the cause is named: {body}");
+    assert!(!body.contains("wrong@"), "no password: {body}");
+    let (_, metrics) = http_get(&http, "/metrics").await.expect("metrics");
+    let failures: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("firekeeper_lease_store_errors_total{kind=\"unavailable\"} "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(failures >= 1.0, "counted:\n{metrics}");
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&http, "/status").await.expect("status").1).expect("json");
+    assert!(status["lease_store_error"].is_string(), "{status}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let log = std::fs::read_to_string(dir.join("wrong.log")).unwrap_or_default();
+    assert_eq!(log.matches("cannot use the lease store").count(), 1, "said once, not every poll:\n{log}");
+    let _ = child.kill();
+    let _ = child.wait();
+
+    // Down at start, then up: not ready while down, ready (and leading) once it answers.
+    let mut down = testkit::RedisServer::start();
+    down.kill();
+    env.insert("REDIS_URL".into(), down.url());
+    let mut child = firekeeper(&env, &[], &dir.join("down.log"));
+    eventually("not ready while Redis is down", WAIT, async || {
+        readyz().await.is_some_and(|(code, body)| code == 503 && body.contains("cannot use the lease store"))
+    })
+    .await;
+    down.restart();
+    eventually("ready once Redis answers", WAIT, async || readyz().await.is_some_and(|(code, _)| code == 200)).await;
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,6 +66,7 @@ impl Consumer {
         let recollection = recollection.unwrap_or_default();
         let prior = Prior { floor: recollection.token, cold };
         let (handle, events) = lease::spawn_with(backend, lease_cfg, clock, &instance, prior)?;
+        status.watch_lease(handle.store_trouble());
         status.update(|s| {
             s.role = Role::Standby;
             s.instance.clone_from(&instance);

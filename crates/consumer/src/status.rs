@@ -88,7 +88,13 @@ pub struct Status {
     pub sink_failing: Option<SinkFailing>,
     /// The cursor store has taken no commit for `uncommitted_max`: intake waits, not ready.
     pub commit_stalled: bool,
+    /// Why the lease store cannot be used now (down, credentials refused): this replica
+    /// could not take over, so it is not ready.
+    pub lease_store_error: Option<String>,
 }
+
+/// Shared with the lease supervisor: its latest store trouble.
+type Trouble = Arc<Mutex<Option<String>>>;
 
 /// A sink whose writes keep failing.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -115,6 +121,7 @@ struct Inner {
     sink_failing: AtomicBool,
     commit_stalled: AtomicBool,
     desync: Arc<crate::verify::Desync>,
+    lease_trouble: Mutex<Option<Trouble>>,
 }
 
 impl Default for StatusHandle {
@@ -128,6 +135,7 @@ impl Default for StatusHandle {
             sink_failing: AtomicBool::new(false),
             commit_stalled: AtomicBool::new(false),
             desync: Arc::default(),
+            lease_trouble: Mutex::new(None),
         }))
     }
 }
@@ -140,6 +148,7 @@ impl StatusHandle {
     pub fn snapshot(&self) -> Status {
         let mut s = self.0.status.borrow().clone();
         s.desynchronized = self.0.desync.len();
+        s.lease_store_error = self.lease_trouble();
         let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
         if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {
             s.role = Role::Expired;
@@ -157,10 +166,42 @@ impl StatusHandle {
     /// a relay that does not answer, and the sink's writes are not failing (`/readyz`).
     #[must_use]
     pub fn is_ready(&self) -> bool {
-        self.0.ready.load(Ordering::Relaxed)
-            && !self.0.refused.load(Ordering::Relaxed)
-            && !self.0.sink_failing.load(Ordering::Relaxed)
-            && !self.0.commit_stalled.load(Ordering::Relaxed)
+        self.not_ready_reason().is_none()
+    }
+
+    /// Why this replica is not ready, in words (`None` when it is): what `/readyz` says.
+    #[must_use]
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if let Some(t) = self.lease_trouble() {
+            return Some(format!("cannot use the lease store: {t}"));
+        }
+        if !self.0.ready.load(Ordering::Relaxed) {
+            return Some("starting".into());
+        }
+        let s = self.0.status.borrow();
+        if self.0.refused.load(Ordering::Relaxed) {
+            return Some(format!("relay switch refused: {}", s.refused_switch.as_deref().unwrap_or("")));
+        }
+        if self.0.sink_failing.load(Ordering::Relaxed) {
+            return Some(format!("sink failing: {}", s.sink_failing.as_ref().map_or("", |f| f.error.as_str())));
+        }
+        if self.0.commit_stalled.load(Ordering::Relaxed) {
+            return Some("the cursor store takes no commit".into());
+        }
+        None
+    }
+
+    /// The lease store's trouble as the supervisor last saw it.
+    fn lease_trouble(&self) -> Option<String> {
+        let t = self.0.lease_trouble.lock().ok()?.clone()?;
+        t.lock().ok()?.clone()
+    }
+
+    /// Follows the lease supervisor's store trouble (see [`lease::LeaseHandle::store_trouble`]).
+    pub(crate) fn watch_lease(&self, trouble: Trouble) {
+        if let Ok(mut t) = self.0.lease_trouble.lock() {
+            *t = Some(trouble);
+        }
     }
 
     /// A term is over: what only a leader can be (a failing sink, stalled commits) is not

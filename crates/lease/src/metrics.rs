@@ -56,6 +56,9 @@ pub const RENEW_ERRORS: &str = "firekeeper_lease_renew_errors_total";
 /// Lease keys this process released after losing their term (a late renewal).
 pub const STALE_RELEASES: &str = "firekeeper_lease_stale_releases_total";
 
+/// Failed calls to the lease store while standing by, by kind.
+pub const STORE_ERRORS: &str = "firekeeper_lease_store_errors_total";
+
 /// The lease's metrics.
 pub const ALL: &[Metric] = &[
     Metric {
@@ -81,6 +84,12 @@ pub const ALL: &[Metric] = &[
         kind: MetricKind::Counter,
         help: "lease keys released by the process they named after it lost their term (a renewal that landed late)",
         labels: &[],
+    },
+    Metric {
+        name: STORE_ERRORS,
+        kind: MetricKind::Counter,
+        help: "failed calls to the lease store while standing by (down, credentials refused, nonsense), by kind",
+        labels: &[("kind", "unavailable")],
     },
     Metric { name: RENEW_SECONDS, kind: MetricKind::Histogram, help: "lease renewal round trips", labels: &[] },
 ];

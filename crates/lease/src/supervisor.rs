@@ -214,6 +214,7 @@ pub struct LeaseHandle {
     status: watch::Receiver<Status>,
     instance: Arc<str>,
     seen: Arc<AtomicU64>,
+    trouble: Arc<std::sync::Mutex<Option<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -327,6 +328,14 @@ impl LeaseHandle {
         self.seen.load(Ordering::Relaxed)
     }
 
+    /// Why a standby cannot use the lease store now (down, refusing the credentials,
+    /// answering nonsense): `None` while its last call succeeded. A replica that cannot
+    /// reach the store could not take over, so it is not ready.
+    #[must_use]
+    pub fn store_trouble(&self) -> Arc<std::sync::Mutex<Option<String>>> {
+        self.trouble.clone()
+    }
+
     /// Waits for the supervisor task to exit.
     pub async fn join(self) {
         let _ = self.task.await;
@@ -370,6 +379,7 @@ pub fn spawn_with(
     let wake = backend.release_signal();
     let floor = Arc::new(AtomicU64::new(prior.floor));
     let cold_until = prior.cold.then(|| clock.now() + cfg.ttl);
+    let trouble: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
     let sup = Supervisor {
         backend,
         cfg,
@@ -387,9 +397,10 @@ pub fn spawn_with(
         not_before: None,
         cold_until,
         cold_warned: false,
+        trouble: trouble.clone(),
     };
     let task = tokio::spawn(sup.run());
-    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, seen: floor, task }, ev_rx))
+    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, seen: floor, trouble, task }, ev_rx))
 }
 
 struct Supervisor {
@@ -414,6 +425,9 @@ struct Supervisor {
     cold_until: Option<Duration>,
     /// The cold wait was logged.
     cold_warned: bool,
+    /// Why the lease store cannot be used now (unreachable, credentials refused), shared
+    /// with [`LeaseHandle::store_trouble`]; `None` while it answers.
+    trouble: Arc<std::sync::Mutex<Option<String>>>,
     /// The latest key expiry observed on another holder (clock time): that holder may
     /// lead until then, so no term starts before it, even if the store loses the key.
     /// Cleared by a release, which the holder sends only after it stopped.
@@ -517,7 +531,8 @@ impl Supervisor {
 
     /// Standby: returns a new term, or `None` on shutdown.
     async fn contend(&mut self) -> Option<(Term, oneshot::Receiver<()>)> {
-        let mut warned = false;
+        // When the store's trouble was last logged: once a minute while it lasts.
+        let mut warned: Option<Duration> = None;
         loop {
             if self.stopping {
                 return None;
@@ -557,7 +572,7 @@ impl Supervisor {
                     return Some(self.new_term(token, sent));
                 }
                 Ok(Some(Acquire::Held { holder, .. })) if self.is_own(&holder) => {
-                    warned = false;
+                    self.store_answered(&mut warned);
                     // This process holds no term: the key is left over from one it lost
                     // (a renewal that landed after the deadline). Take it back now, or
                     // every standby waits out its ttl with nobody leading.
@@ -566,16 +581,11 @@ impl Supervisor {
                     }
                 }
                 Ok(Some(Acquire::Held { holder, expires_in })) => {
-                    warned = false;
+                    self.store_answered(&mut warned);
                     self.on_held(&holder, expires_in);
                 }
-                Ok(None) => warned = false,
-                Err(e) => {
-                    if !warned {
-                        tracing::warn!(error = %e, retry_ms = self.cfg.poll.as_millis() as u64, "cannot reach the lease store; retrying every poll interval (±20 %)");
-                        warned = true;
-                    }
-                }
+                Ok(None) => self.store_answered(&mut warned),
+                Err(e) => self.store_failed(&e, &mut warned),
             }
             let mut poll = self.jittered_poll();
             if let Some(nb) = self.not_before {
@@ -627,6 +637,34 @@ impl Supervisor {
     /// A read-only look at the store by a process that remembers nothing: a store with a
     /// fence or a holder has not lost its data and the wait ends (true; a holder is
     /// observed as usual); an empty one is watched until the ttl passed.
+    /// The lease store answered: its trouble, if any, is over.
+    fn store_answered(&self, warned: &mut Option<Duration>) {
+        let was = self.trouble.lock().ok().and_then(|mut t| t.take());
+        if was.is_some() {
+            tracing::info!("the lease store answers again");
+        }
+        *warned = None;
+    }
+
+    /// A call to the lease store failed while standing by: recorded for readiness,
+    /// counted, and logged at once and then once a minute while it lasts.
+    fn store_failed(&self, e: &BackendError, warned: &mut Option<Duration>) {
+        let kind = match e {
+            BackendError::Timeout(_) => "timeout",
+            BackendError::Unavailable(_) => "unavailable",
+            BackendError::Protocol(_) => "protocol",
+        };
+        metrics::counter!(crate::metrics::STORE_ERRORS, "kind" => kind).increment(1);
+        if let Ok(mut t) = self.trouble.lock() {
+            *t = Some(e.to_string());
+        }
+        let now = self.clock.now();
+        if warned.is_none_or(|w| now.saturating_sub(w) >= Duration::from_mins(1)) {
+            tracing::warn!(error = %e, kind, retry_ms = self.cfg.poll.as_millis() as u64, "cannot use the lease store: this replica could not take over (not ready); retrying every poll interval, logged once a minute while it lasts");
+            *warned = Some(now);
+        }
+    }
+
     async fn watch_cold(&mut self) -> Result<bool, BackendError> {
         let snap = self.call(self.backend.snapshot()).await?;
         self.raise_seen(snap.fence.max(snap.fence_seen));
