@@ -312,6 +312,11 @@ impl Config {
     /// Reads from an explicit map of variables (tests).
     pub fn from_source(vars: &HashMap<String, String>) -> Result<Self, ConfigErrors> {
         let (raw, mut errors) = crate::settings::read(vars);
+        if let Some(v) = vars.get("RUST_LOG").filter(|v| !v.trim().is_empty())
+            && let Err(e) = tracing_subscriber::EnvFilter::try_new(v)
+        {
+            errors.push(format!("RUST_LOG={v:?} is not a log filter ({e}); e.g. `info` or `info,consumer=debug`"));
+        }
         match Self::try_from(raw) {
             Ok(c) if errors.is_empty() => Ok(c),
             Ok(_) => Err(ConfigErrors(errors)),
@@ -358,6 +363,13 @@ mod tests {
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config, ConfigErrors> {
         Config::from_source(&pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect())
+    }
+
+    #[test]
+    fn an_invalid_log_filter_is_refused_not_replaced() {
+        let e = cfg(&[("RUST_LOG", "info,consumer=loud")]).expect_err("refused");
+        assert!(e.to_string().contains("RUST_LOG=\"info,consumer=loud\" is not a log filter"), "{e}");
+        assert!(cfg(&[("RUST_LOG", "warn,consumer=debug")]).is_ok());
     }
 
     #[test]

@@ -49,9 +49,10 @@ fn main() -> ExitCode {
     }
     let _ = rustls::crypto::ring::default_provider().install_default();
     let json = cfg.log_json;
-    let r = telemetry::init(json).and_then(|guard| {
+    let command = cli.command.unwrap_or(Command::Run);
+    let r = telemetry::init(json, !matches!(command, Command::Run)).and_then(|guard| {
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
-        let r = rt.block_on(dispatch(cfg, cli.command.unwrap_or(Command::Run)));
+        let r = rt.block_on(dispatch(cfg, command));
         drop(guard);
         r
     });
@@ -149,9 +150,7 @@ async fn run(cfg: Config) -> Result<()> {
     }
     let consumer = builder.lease(stores::open_lease(&cfg).await?, cfg.lease.clone()).build()?;
     let status = consumer.status();
-    if !cfg.log_json {
-        tokio::spawn(telemetry::summary_lines(status.clone(), std::time::Duration::from_secs(5)));
-    }
+    tokio::spawn(telemetry::summary_lines(status.clone(), std::time::Duration::from_secs(5), cfg.log_json));
     let stop_http = CancellationToken::new();
     if let Some(addr) = cfg.http_addr {
         let listener =

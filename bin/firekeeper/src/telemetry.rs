@@ -19,9 +19,21 @@ impl Drop for Guard {
     }
 }
 
-/// Installs logging and tracing.
-pub fn init(json: bool) -> Result<Guard> {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// The log filter without `RUST_LOG`: firekeeper's own crates at info, the libraries it
+/// uses (NATS, Postgres, HTTP, TLS, WebSocket, Redis clients) at warn, so that every CLI
+/// call does not print a NATS client's INFO lines.
+const DEFAULT_FILTER: &str = "warn,firekeeper=info,consumer=info,lease=info,checkpoint=info,relay_client=info,\
+     sinks=info,atproto_identity=info,atproto_repo=info,atproto_crypto=info,guarded_http=info,redis_op=info,nats_op=info";
+
+/// Installs logging and tracing. A command other than `run` (`cursor show`, `lease show`)
+/// logs only warnings unless `RUST_LOG` says otherwise: its answer is on stdout.
+pub fn init(json: bool, command: bool) -> Result<Guard> {
+    // RUST_LOG was validated with the configuration; unset, the libraries say only warnings.
+    let filter = match std::env::var("RUST_LOG").ok().filter(|v| !v.trim().is_empty()) {
+        Some(v) => EnvFilter::try_new(&v).with_context(|| format!("RUST_LOG={v:?}"))?,
+        None if command => EnvFilter::new("warn"),
+        None => EnvFilter::new(DEFAULT_FILTER),
+    };
     let fmt = if json {
         tracing_subscriber::fmt::layer()
             .json()
@@ -75,9 +87,10 @@ pub fn metrics() -> Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// In text log mode, one human line on stderr every `every`: role, relay, events/s, lag
-/// and cursor (`make run` shows this beside the JSON lines on stdout).
-pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Duration) {
+/// One summary every `every`: role, relay, events/s, lag and cursor; in text log mode a
+/// human line on stderr (`make run` shows it beside the JSON lines on stdout), in JSON
+/// mode a log line with those fields.
+pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Duration, json: bool) {
     let mut tick = tokio::time::interval(every);
     tick.tick().await;
     let mut last = status.events();
@@ -91,6 +104,19 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
         let relay = s
             .relay
             .map_or_else(String::new, |r| format!(" · relay {r}{}", if s.connected { "" } else { " (connecting)" }));
+        if json {
+            tracing::info!(
+                role = s.role.as_str(),
+                token = s.token,
+                relay = s.relay.map(relay_client::RelayRole::as_str),
+                connected = s.connected,
+                events_per_second = rate.round(),
+                lag_seconds = s.lag_seconds,
+                committed = s.committed,
+                "summary"
+            );
+            continue;
+        }
         let lag = s.lag_seconds.map_or_else(|| "-".to_owned(), |l| format!("{l:.1} s"));
         let cursor = s.committed.map_or_else(|| "none".to_owned(), |c| c.to_string());
         eprintln!("firekeeper: {}{token}{relay} · {rate:.0} events/s · lag {lag} · cursor {cursor}", s.role.as_str());

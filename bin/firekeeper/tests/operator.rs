@@ -99,3 +99,93 @@ fn a_lookalike_store_variable_is_named_and_cursor_set_refuses_the_local_fallback
     env.insert("FIREKEEPER_CURSOR_STORE".into(), "file".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success(), "the file store when said so");
 }
+
+/// A JSON value whose objects, at every depth, name each key once.
+struct UniqueKeys;
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("JSON")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<UniqueKeys, A::Error> {
+                let mut seen = std::collections::BTreeSet::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    if !seen.insert(k.clone()) {
+                        return Err(serde::de::Error::custom(format!("key {k:?} twice")));
+                    }
+                    m.next_value::<UniqueKeys>()?;
+                }
+                Ok(UniqueKeys)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut s: A) -> Result<UniqueKeys, A::Error> {
+                while s.next_element::<UniqueKeys>()?.is_some() {}
+                Ok(UniqueKeys)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+            fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Every JSON log line of a run (a leader through a handover-free run, a term lost to a
+/// frozen store, the summary) parses with each key once and no Rust `Debug` text
+/// (`Some(…)`); the summary is logged in JSON mode too; an invalid `RUST_LOG` is refused;
+/// CLI calls on NATS print no client INFO lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_have_one_key_per_field_and_no_debug_text() {
+    let nats = testkit::NatsServer::start();
+    let relay = sim(None).await;
+    let dir = tmpdir("jsonlog");
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("NATS_URL".into(), nats.url());
+    env.insert("FIREKEEPER_LOG_FORMAT".into(), "json".into());
+    env.remove("RUST_LOG");
+    let set = run_once(&env, &["cursor", "set", "0"]);
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    assert!(
+        set.stderr.is_empty(),
+        "a CLI call on NATS says nothing on stderr: {}",
+        String::from_utf8_lossy(&set.stderr)
+    );
+    let log = dir.join("fk.log");
+    let a = firekeeper_to(&env, &[], &log, &dir.join("a.jsonl"));
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    eventually("a summary line in JSON", WAIT, async || read().contains("\"message\":\"summary\"")).await;
+    nats.pause();
+    eventually("the term lost to a frozen store", WAIT, async || read().contains("leadership lost")).await;
+    nats.resume();
+    assert!(sigterm_and_wait(a).success());
+    let text = read();
+    for line in text.lines() {
+        if let Err(e) = serde_json::from_str::<UniqueKeys>(line) {
+            panic!("{e}: {line}");
+        }
+        assert!(!line.contains("Some("), "Debug text in a log line: {line}");
+    }
+    let mut bad = env.clone();
+    bad.insert("RUST_LOG".into(), "info,consumer=loud".into());
+    let refused = run_once(&bad, &["check-config"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("is not a log filter"));
+}

@@ -128,6 +128,18 @@ pub enum LossReason {
     Resigned,
 }
 
+impl std::fmt::Display for LossReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Expired => f.write_str("no renewal landed before the deadline"),
+            Self::TakenBy(holder) => write!(f, "{holder} holds the key"),
+            Self::Fenced(Some(fence)) => write!(f, "the key vanished and the fence moved to {fence}"),
+            Self::Fenced(None) => f.write_str("the key vanished and the fence moved"),
+            Self::Resigned => f.write_str("given up by the consumer"),
+        }
+    }
+}
+
 impl LossReason {
     /// Short label for metrics and logs.
     #[must_use]
@@ -454,7 +466,7 @@ impl Supervisor {
             match self.lead(&term).await {
                 LeadEnd::Lost(reason) => {
                     term.end();
-                    tracing::error!(token, reason = reason.label(), ?reason, "leadership lost; intake must stop now");
+                    tracing::error!(token, reason = reason.label(), detail = %reason, "leadership lost; intake must stop now");
                     transition("standby", reason.label());
                     self.status.send_replace(Status::Standby);
                     let _ = self.events.send(LeaseEvent::Lost { token, reason });

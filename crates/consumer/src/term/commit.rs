@@ -167,7 +167,7 @@ impl Leader<'_, '_> {
                     "the cursor store takes no commits: intake waits, so a crash now repeats no more than was handed over before"
                 );
             } else {
-                tracing::info!(committed = ?committed, "commits land again: intake goes on");
+                tracing::info!(committed, "commits land again: intake goes on");
             }
         }
     }
@@ -200,7 +200,7 @@ impl Leader<'_, '_> {
             metrics::counter!(m::GAPS, "reason" => "future_cursor").increment(1);
             tracing::error!(
                 relay = self.role.as_str(),
-                rejected_cursor = ?rejected,
+                rejected_cursor = rejected,
                 live_from = seq,
                 "accepted gap (future-cursor policy `live`): events after the rejected cursor that the relay no \
                  longer numbers that way are skipped; the stored cursor is rewound to just before the first live seq"

@@ -78,7 +78,11 @@ impl Leader<'_, '_> {
                 if p.committed == p.watermark.committable() {
                     return Ok::<(), String>(());
                 }
-                tracing::warn!(cursor = ?p.watermark.committable(), retry_ms = 100, "final commit did not land yet; retrying while the term lasts");
+                tracing::warn!(
+                    cursor = p.watermark.committable(),
+                    retry_ms = 100,
+                    "final commit did not land yet; retrying while the term lasts"
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         };

@@ -100,7 +100,12 @@ impl Leader<'_, '_> {
         if let Err(s) = self.settle().await {
             return s;
         }
-        tracing::info!(from = from.as_str(), to = to.as_str(), committed = ?self.p.committed, "relay switch: committed the current relay first");
+        tracing::info!(
+            from = from.as_str(),
+            to = to.as_str(),
+            committed = self.p.committed,
+            "relay switch: committed the current relay first"
+        );
         let at = self.p.times.at_cursor();
         match self.switch_start(to, at).await {
             Ok(Ok(cursor)) => {

@@ -81,13 +81,18 @@ impl Subscription {
         let after = self.cursor;
         if self.cfg.bad_frame == BadFramePolicy::Fail || self.oversize_probe {
             let limit = self.read_limit();
-            tracing::error!(relay = relay.as_str(), max = limit, cursor = ?after, "oversized frame: stopping before it");
+            tracing::error!(relay = relay.as_str(), max = limit, cursor = after, "oversized frame: stopping before it");
             self.link = Link::Stopped;
             self.oversize_probe = false;
             return Err(SubscribeError::FrameTooLarge { relay, after, max: limit });
         }
         let max = self.cfg.max_frame_bytes;
-        tracing::error!(relay = relay.as_str(), max, cursor = ?after, "oversized frame: reconnecting with a raised limit to learn its seq and skip it");
+        tracing::error!(
+            relay = relay.as_str(),
+            max,
+            cursor = after,
+            "oversized frame: reconnecting with a raised limit to learn its seq and skip it"
+        );
         self.oversize_probe = true;
         self.link = Link::Down { retry_at: None };
         Ok(None)
@@ -101,10 +106,15 @@ impl Subscription {
             Frame::Message(Message::Info(i)) => {
                 let message = i.message.map(str::to_owned);
                 let notice = if i.name == "OutdatedCursor" {
-                    tracing::warn!(relay = relay.as_str(), cursor = ?self.cursor, message = ?message, "relay says the cursor is outdated: events were missed");
+                    tracing::warn!(
+                        relay = relay.as_str(),
+                        cursor = self.cursor,
+                        message = message.as_deref(),
+                        "relay says the cursor is outdated: events were missed"
+                    );
                     Notice::OutdatedCursor { relay, message }
                 } else {
-                    tracing::info!(relay = relay.as_str(), name = i.name, message = ?message, "relay info");
+                    tracing::info!(relay = relay.as_str(), name = i.name, message = message.as_deref(), "relay info");
                     Notice::Info { relay, name: i.name.to_owned(), message }
                 };
                 return Ok(Some(Item::Notice(notice)));
@@ -165,7 +175,7 @@ impl Subscription {
         }
         match self.cfg.bad_frame {
             BadFramePolicy::Fail => {
-                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, cursor = ?self.cursor, "undecodable frame: stopping before it");
+                tracing::error!(relay = relay.as_str(), seq, reason = error.reason(), %error, cursor = self.cursor, "undecodable frame: stopping before it");
                 self.link = Link::Stopped;
                 Err(SubscribeError::BadFrame { relay, seq, error })
             }
@@ -182,7 +192,7 @@ impl Subscription {
         let message = message.unwrap_or_default().to_owned();
         if error == "FutureCursor" {
             let cursor = self.cursor;
-            tracing::error!(relay = relay.as_str(), ?cursor, %message, "relay rejected the cursor as FutureCursor");
+            tracing::error!(relay = relay.as_str(), cursor, %message, "relay rejected the cursor as FutureCursor");
             match self.cfg.future_cursor {
                 FutureCursorPolicy::Fail => {
                     self.link = Link::Stopped;

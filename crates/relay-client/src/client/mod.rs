@@ -244,7 +244,7 @@ impl Subscription {
         let relay = self.active;
         let url = self.url(relay).unwrap_or(&self.primary).subscribe_url(self.cursor);
         let cfg = ws_config(self.read_limit());
-        let span = tracing::info_span!("relay_connect", relay = relay.as_str(), cursor = ?self.cursor);
+        let span = tracing::info_span!("relay_connect", relay = relay.as_str(), cursor = self.cursor);
         let attempt = tracing::Instrument::instrument(
             timeout(
                 self.cfg.connect_timeout,
@@ -256,7 +256,7 @@ impl Subscription {
         match attempt {
             Ok(Ok((ws, _resp))) => {
                 self.link = Link::Up(Box::new(Conn::new(ws, Instant::now(), self.cfg.ping_interval)));
-                tracing::info!(relay = relay.as_str(), cursor = ?self.cursor, "connected to relay");
+                tracing::info!(relay = relay.as_str(), cursor = self.cursor, "connected to relay");
                 self.queue.push_back(Item::Notice(Notice::Connected { relay, cursor: self.cursor }));
             }
             Ok(Err(e)) => self.fail(ConnError::Connect(describe(&e))),
@@ -298,7 +298,11 @@ impl Subscription {
         self.stats.switches += 1;
         self.link = Link::Stopped;
         self.failback.abort();
-        tracing::warn!(from = from.as_str(), to = to.as_str(), ?reason, "switching relay");
+        let why = match reason {
+            SwitchReason::Failover => "failover",
+            SwitchReason::Failback => "failback",
+        };
+        tracing::warn!(from = from.as_str(), to = to.as_str(), reason = why, "switching relay");
         self.queue.push_back(Item::SwitchRelay { from, to, reason });
     }
 
