@@ -113,7 +113,10 @@ fn lease_backend(r: &Raw, errors: &mut Vec<String>) -> LeaseKind {
 
 /// The cursor store: as chosen, else the lease backend's; fenced by a lease it can see.
 fn store(r: &Raw, lease: LeaseKind, errors: &mut Vec<String>) -> StoreKind {
+    // The postgres sink keeps the cursor in its own transaction: no other store is allowed
+    // with it, so it is the default there.
     let store = r.store.unwrap_or(match lease {
+        _ if r.sink == crate::settings::SinkName::Postgres => StoreKind::Postgres,
         LeaseKind::Redis => StoreKind::Redis,
         LeaseKind::Nats => StoreKind::Nats,
         LeaseKind::Local => StoreKind::File,
@@ -370,6 +373,16 @@ mod tests {
         let e = cfg(&[("RUST_LOG", "info,consumer=loud")]).expect_err("refused");
         assert!(e.to_string().contains("RUST_LOG=\"info,consumer=loud\" is not a log filter"), "{e}");
         assert!(cfg(&[("RUST_LOG", "warn,consumer=debug")]).is_ok());
+    }
+
+    #[test]
+    fn the_postgres_sink_implies_the_postgres_cursor_store() {
+        let c = cfg(&[("FIREKEEPER_SINK", "postgres"), ("DATABASE_URL", "postgres://u@h/db")]).expect("valid");
+        assert_eq!(c.store, StoreKind::Postgres);
+        let c =
+            cfg(&[("FIREKEEPER_SINK", "postgres"), ("DATABASE_URL", "postgres://u@h/db"), ("REDIS_URL", "redis://h")])
+                .expect("valid");
+        assert_eq!(c.store, StoreKind::Postgres);
     }
 
     #[test]

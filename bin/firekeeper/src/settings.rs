@@ -354,7 +354,7 @@ pub const SETTINGS: &[Setting] = &[
     text!("NATS_CREDS", Kind::Text, nats_creds, "none", "path of a NATS `.creds` file (JWT and seed), if the server wants one"),
     text!("NATS_TOKEN", Kind::Secret, nats_token, "none", "NATS auth token, if the server wants one (never logged)"),
     setting!("FIREKEEPER_LEASE_BACKEND", Kind::Choice, |r, v| r.lease_backend = Some(choose(v)?), shown "`redis` with `REDIS_URL`, else `nats` with `NATS_URL`, else `local`", "where the leader lease lives: `redis`, `nats` (a JetStream KV bucket whose entries expire after the ttl) or `local` (a lock file: one machine)"),
-    setting!("FIREKEEPER_CURSOR_STORE", Kind::Choice, |r, v| r.store = Some(choose(v)?), shown "the lease backend's (`redis`, `nats`), else `file`", "`redis`, `nats`, `file` or `postgres`"),
+    setting!("FIREKEEPER_CURSOR_STORE", Kind::Choice, |r, v| r.store = Some(choose(v)?), shown "`postgres` with the postgres sink, else the lease backend's (`redis`, `nats`), else `file`", "`redis`, `nats`, `file` or `postgres`"),
     choice!("FIREKEEPER_SINK", SinkName, sink, "`jsonl`, `postgres`, `webhook`, `nats` (a JetStream stream) or `null`"),
     setting!("FIREKEEPER_NATS_STREAM", Kind::Text, |r, v| r.jetstream.stream = v.into(), |d| d.jetstream.stream.clone(), "the `nats` sink's stream, created if missing (file storage, limits retention)"),
     setting!("FIREKEEPER_NATS_SUBJECT_PREFIX", Kind::Text, |r, v| r.jetstream.subject_prefix = v.into(), |d| d.jetstream.subject_prefix.clone(), "the `nats` sink publishes to `<prefix>.events.<collection or type>` (or `<prefix>.events.p<N>` with partitions)"),
@@ -407,7 +407,7 @@ pub const SETTINGS: &[Setting] = &[
     choice!("FIREKEEPER_VERIFY_BLOCKS", bool, options.verify_blocks, "check every CAR block's sha256 against its CID"),
     text!("FIREKEEPER_INSTANCE_ID", Kind::Text, instance_id, "random", "this replica's id in the lease value"),
     choice!("FIREKEEPER_LOG_FORMAT", LogFormat, log, "`json` or `text` (to stderr)"),
-    external!("RUST_LOG", |_d| "info".into(), "log filter"),
+    external!("RUST_LOG", |_d| "firekeeper at `info`, libraries at `warn`".into(), "log filter (refused when invalid); commands other than `run` log only warnings unless it is set"),
     external!("OTEL_EXPORTER_OTLP_ENDPOINT", shown "none", "enables OTLP/HTTP (protobuf) traces: spans per term, relay connection and commit"),
     external!("OTEL_SERVICE_NAME", |_d| "firekeeper".into(), "service name on traces"),
 ];
