@@ -206,10 +206,16 @@ fn nats(r: &Raw, errors: &mut Vec<String>) -> Option<NatsConfig> {
 
 /// Checks that hold within one part: URLs, lease timings, names, limits.
 fn check_parts(r: &Raw, errors: &mut Vec<String>) {
-    if let Some(u) = &r.redis_url
-        && redis::Client::open(u.as_str()).is_err()
-    {
-        errors.push("REDIS_URL is not a valid redis:// or rediss:// URL".into());
+    if let Some(u) = &r.redis_url {
+        if u.trim_start().to_ascii_lowercase().starts_with("rediss://") {
+            errors.push(
+                "REDIS_URL: rediss:// (TLS) is not supported by this build yet; use redis:// on a private network \
+                 or through a local TLS tunnel (stunnel, spiped)"
+                    .into(),
+            );
+        } else if redis::Client::open(u.as_str()).is_err() {
+            errors.push("REDIS_URL is not a valid redis:// URL (redis://[:password@]host:port[/db])".into());
+        }
     }
     if let (Some(p), Some(s)) = (&r.relay, &r.relay_secondary)
         && p.fingerprint() == s.fingerprint()
@@ -383,6 +389,13 @@ mod tests {
             cfg(&[("FIREKEEPER_SINK", "postgres"), ("DATABASE_URL", "postgres://u@h/db"), ("REDIS_URL", "redis://h")])
                 .expect("valid");
         assert_eq!(c.store, StoreKind::Postgres);
+    }
+
+    #[test]
+    fn a_tls_redis_url_is_refused_by_saying_so() {
+        let e = cfg(&[("REDIS_URL", "rediss://:pw@cache.example:6380")]).expect_err("no TLS in this build");
+        assert!(e.to_string().contains("rediss:// (TLS) is not supported by this build"), "{e}");
+        assert!(!e.to_string().contains("pw@"));
     }
 
     #[test]
