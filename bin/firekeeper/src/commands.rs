@@ -21,14 +21,19 @@ fn relay(cfg: &Config, r: Relay) -> Result<(RelayRole, &RelayUrl)> {
     Ok((role, url))
 }
 
-/// Prints a relay's stored cursor.
-pub async fn cursor_show(cfg: &Config, r: Relay) -> Result<()> {
-    let (role, url) = relay(cfg, r)?;
-    let shown = match open_store(cfg).await?.read(url.fingerprint()).await? {
+/// A stored cursor as the commands print it: the seq, `none` or `corrupt (…)`.
+fn shown(o: ReadOutcome) -> String {
+    match o {
         ReadOutcome::Found(c) => c.to_string(),
         ReadOutcome::Missing => "none".into(),
         ReadOutcome::Corrupt(v) => format!("corrupt ({v})"),
-    };
+    }
+}
+
+/// Prints a relay's stored cursor.
+pub async fn cursor_show(cfg: &Config, r: Relay) -> Result<()> {
+    let (role, url) = relay(cfg, r)?;
+    let shown = shown(open_store(cfg).await?.read(url.fingerprint()).await?);
     say!("{role} {} cursor {shown}", url.fingerprint())
 }
 
@@ -61,11 +66,7 @@ pub async fn cursor_set(cfg: &Config, r: Relay, seq: u64, force: bool) -> Result
         );
     }
     let store = open_store(cfg).await?;
-    let before = match store.read(url.fingerprint()).await? {
-        ReadOutcome::Found(c) => c.to_string(),
-        ReadOutcome::Missing => "none".into(),
-        ReadOutcome::Corrupt(v) => format!("corrupt ({v})"),
-    };
+    let before = shown(store.read(url.fingerprint()).await?);
     store.force(url.fingerprint(), seq).await?;
     say!(
         "{role} relay {} (fingerprint {}): cursor set to {seq} (was {before}) in {}",

@@ -121,7 +121,7 @@ struct Inner {
     sink_failing: AtomicBool,
     commit_stalled: AtomicBool,
     desync: Arc<crate::verify::Desync>,
-    lease_trouble: Mutex<Option<Trouble>>,
+    lease_trouble: std::sync::OnceLock<Trouble>,
 }
 
 impl Default for StatusHandle {
@@ -135,7 +135,7 @@ impl Default for StatusHandle {
             sink_failing: AtomicBool::new(false),
             commit_stalled: AtomicBool::new(false),
             desync: Arc::default(),
-            lease_trouble: Mutex::new(None),
+            lease_trouble: std::sync::OnceLock::new(),
         }))
     }
 }
@@ -193,15 +193,13 @@ impl StatusHandle {
 
     /// The lease store's trouble as the supervisor last saw it.
     fn lease_trouble(&self) -> Option<String> {
-        let t = self.0.lease_trouble.lock().ok()?.clone()?;
-        t.lock().ok()?.clone()
+        self.0.lease_trouble.get()?.lock().ok()?.clone()
     }
 
     /// Follows the lease supervisor's store trouble (see [`lease::LeaseHandle::store_trouble`]).
     pub(crate) fn watch_lease(&self, trouble: Trouble) {
-        if let Ok(mut t) = self.0.lease_trouble.lock() {
-            *t = Some(trouble);
-        }
+        // One supervisor per consumer run: the first one set stays.
+        let _ = self.0.lease_trouble.set(trouble);
     }
 
     /// A term is over: what only a leader can be (a failing sink, stalled commits) is not

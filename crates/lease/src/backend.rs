@@ -20,6 +20,18 @@ pub enum BackendError {
     Protocol(String),
 }
 
+impl BackendError {
+    /// Short label for metrics and logs: `timeout`, `unavailable` or `protocol`.
+    #[must_use]
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Timeout(_) => "timeout",
+            Self::Unavailable(_) => "unavailable",
+            Self::Protocol(_) => "protocol",
+        }
+    }
+}
+
 /// Result of an acquire attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acquire {

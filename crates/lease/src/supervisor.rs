@@ -661,11 +661,7 @@ impl Supervisor {
     /// A call to the lease store failed while standing by: recorded for readiness,
     /// counted, and logged at once and then once a minute while it lasts.
     fn store_failed(&self, e: &BackendError, warned: &mut Option<Duration>) {
-        let kind = match e {
-            BackendError::Timeout(_) => "timeout",
-            BackendError::Unavailable(_) => "unavailable",
-            BackendError::Protocol(_) => "protocol",
-        };
+        let kind = e.label();
         metrics::counter!(crate::metrics::STORE_ERRORS, "kind" => kind).increment(1);
         if let Ok(mut t) = self.trouble.lock() {
             *t = Some(e.to_string());
@@ -868,11 +864,7 @@ impl Supervisor {
                 Some(LeadEnd::Lost(LossReason::TakenBy(holder)))
             }
             Err(e) => {
-                let reason = match e {
-                    BackendError::Timeout(_) => "timeout",
-                    BackendError::Unavailable(_) => "unavailable",
-                    BackendError::Protocol(_) => "protocol",
-                };
+                let reason = e.label();
                 metrics::counter!(crate::metrics::RENEW_ERRORS, "reason" => reason).increment(1);
                 if !std::mem::replace(failing, true) {
                     tracing::warn!(token, error = %e, remaining_ms = term.remaining().as_millis() as u64, "lease renewal failed; leading until the deadline");

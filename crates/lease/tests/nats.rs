@@ -2,24 +2,17 @@
 //! its own on a free port so it can kill, pause, restart or wipe it — the Redis lease
 //! tests' faults, on NATS.
 
+mod common;
+
+use common::{cfg, elected, next_event, no_event};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lease::backend::{Acquire, Renew};
-use lease::{Backend, BootClock, LeaseConfig, LeaseEvent, LeaseHandle, LossReason, NatsBackend, Term};
+use lease::{Backend, LeaseConfig, LeaseEvent, LossReason, NatsBackend};
 use nats_op::{Nats, NatsConfig};
 use testkit::{NatsServer, TcpProxy, WAIT};
-use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{sleep, timeout};
-
-fn cfg(prefix: &str) -> LeaseConfig {
-    // ttl 2 s: renew every 400 ms, op timeout 250 ms, margin 500 ms.
-    LeaseConfig {
-        poll: Duration::from_millis(200),
-        key_prefix: prefix.to_owned(),
-        ..LeaseConfig::from_ttl(Duration::from_secs(2))
-    }
-}
 
 async fn nats(url: &str, op_timeout: Duration) -> Nats {
     Nats::connect(&NatsConfig { url: url.to_owned(), creds_file: None, token: None, op_timeout })
@@ -27,38 +20,16 @@ async fn nats(url: &str, op_timeout: Duration) -> Nats {
         .expect("connect")
 }
 
-struct Node {
-    handle: LeaseHandle,
-    events: UnboundedReceiver<LeaseEvent>,
-    backend: Arc<NatsBackend>,
-}
+type Node = common::Node<NatsBackend>;
 
 async fn node_with(url: &str, c: LeaseConfig, name: &str) -> Node {
     let n = nats(url, c.op_timeout).await;
     let backend = Arc::new(NatsBackend::new(&n, &c.key_prefix, c.ttl));
-    let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
-    Node { handle, events, backend }
+    common::spawn(backend, c, name)
 }
 
 async fn node(url: &str, prefix: &str, name: &str) -> Node {
     node_with(url, cfg(prefix), name).await
-}
-
-async fn next_event(n: &mut Node) -> LeaseEvent {
-    timeout(WAIT, n.events.recv()).await.expect("an event before the deadline").expect("supervisor alive")
-}
-
-async fn elected(n: &mut Node) -> Term {
-    match next_event(n).await {
-        LeaseEvent::Elected(t) => t,
-        other => panic!("expected Elected, got {other:?}"),
-    }
-}
-
-fn no_event(n: &mut Node) {
-    if let Ok(e) = n.events.try_recv() {
-        panic!("unexpected event {e:?}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -446,13 +417,5 @@ async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once(
     let kv = admin.jetstream().get_key_value("late-lease").await.expect("bucket");
     kv.put("leader", "a:1".into()).await.expect("put");
     proxy.set_cut(false);
-    let back = Instant::now();
-    let winner = tokio::select! {
-        e = next_event(&mut b) => ("b", e),
-        e = next_event(&mut a) => ("a", e),
-    };
-    let took = back.elapsed();
-    assert!(matches!(winner.1, LeaseEvent::Elected(_)), "{winner:?}");
-    eprintln!("{} was elected {took:?} after the store answered the old leader again", winner.0);
-    assert!(took < Duration::from_secs(3), "{took:?}: the late renewal kept the key for another ttl");
+    common::someone_elected_at_once(&mut a, &mut b, Instant::now()).await;
 }

@@ -1,55 +1,24 @@
 //! The lease against real redis-server processes, each test starting its own on a free
 //! port so it can kill, pause or restart it.
 
+mod common;
+
+use common::{cfg, elected, next_event, no_event};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lease::{Backend, BootClock, LeaseConfig, LeaseEvent, LeaseHandle, LossReason, RedisBackend, Term};
-use testkit::{RedisServer, TcpProxy};
-use tokio::sync::mpsc::UnboundedReceiver;
-use tokio::time::{sleep, timeout};
+use lease::{Backend, LeaseConfig, LeaseEvent, LossReason, RedisBackend};
+use testkit::{RedisServer, TcpProxy, WAIT};
+use tokio::time::sleep;
 
-use testkit::WAIT;
-
-fn cfg(prefix: &str) -> LeaseConfig {
-    // ttl 2 s: renew every 400 ms, op timeout 250 ms, margin 500 ms.
-    LeaseConfig {
-        poll: Duration::from_millis(200),
-        key_prefix: prefix.to_owned(),
-        ..LeaseConfig::from_ttl(Duration::from_secs(2))
-    }
-}
-
-struct Node {
-    handle: LeaseHandle,
-    events: UnboundedReceiver<LeaseEvent>,
-    backend: Arc<RedisBackend>,
-}
+type Node = common::Node<RedisBackend>;
 
 fn node(url: &str, prefix: &str, name: &str) -> Node {
     let c = cfg(prefix);
     let backend = Arc::new(RedisBackend::new(url, prefix, c.op_timeout).expect("backend"));
-    let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
-    Node { handle, events, backend }
-}
-
-async fn next_event(n: &mut Node) -> LeaseEvent {
-    timeout(WAIT, n.events.recv()).await.expect("an event before the deadline").expect("supervisor alive")
-}
-
-async fn elected(n: &mut Node) -> Term {
-    match next_event(n).await {
-        LeaseEvent::Elected(t) => t,
-        other => panic!("expected Elected, got {other:?}"),
-    }
-}
-
-fn no_event(n: &mut Node) {
-    if let Ok(e) = n.events.try_recv() {
-        panic!("unexpected event {e:?}");
-    }
+    common::spawn(backend, c, name)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,8 +64,7 @@ async fn graceful_handover_wakes_the_standby_through_the_release_message() {
         let mk = |name: &str| {
             let c = LeaseConfig { poll: Duration::from_secs(30), ..cfg(&prefix) };
             let backend = Arc::new(RedisBackend::new(&redis.url(), &prefix, c.op_timeout).expect("backend"));
-            let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
-            Node { handle, events, backend }
+            common::spawn(backend, c, name)
         };
         let mut a = mk("a");
         let ta = elected(&mut a).await;
@@ -442,8 +410,7 @@ async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once(
             ..LeaseConfig::from_ttl(Duration::from_secs(6))
         };
         let backend = Arc::new(RedisBackend::new(url, "late", c.op_timeout).expect("backend"));
-        let (handle, events) = lease::spawn_as(backend.clone(), c, Arc::new(BootClock), name).expect("config");
-        Node { handle, events, backend }
+        common::spawn(backend, c, name)
     };
     let mut a = node6(&proxy.redis_url(), "a");
     let ta = elected(&mut a).await;
@@ -459,13 +426,5 @@ async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once(
     let mut admin = redis.admin();
     let _: () = redis::cmd("SET").arg("{late}:lease").arg("a:1").arg("PX").arg(6000).query(&mut admin).expect("set");
     proxy.set_cut(false);
-    let back = Instant::now();
-    let winner = tokio::select! {
-        e = next_event(&mut b) => ("b", e),
-        e = next_event(&mut a) => ("a", e),
-    };
-    let took = back.elapsed();
-    assert!(matches!(winner.1, LeaseEvent::Elected(_)), "{winner:?}");
-    eprintln!("{} was elected {took:?} after the store answered the old leader again", winner.0);
-    assert!(took < Duration::from_secs(3), "{took:?}: the late renewal kept the key for another ttl");
+    common::someone_elected_at_once(&mut a, &mut b, Instant::now()).await;
 }
