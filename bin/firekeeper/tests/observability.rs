@@ -193,9 +193,8 @@ async fn an_unreachable_lease_store_is_named_by_address_and_cause() {
     assert!(!text.contains("s3cret"), "no password in logs");
 }
 
-/// A wrong Redis password, or Redis down at start, is not a healthy standby: `/readyz`
-/// answers 503 with the reason, the failures are counted, and the log says it once (then
-/// once a minute); when the store answers, the replica is ready and leads.
+/// A wrong Redis password is not a healthy standby: `/readyz` answers 503 with the
+/// reason, the failures are counted, and the log says it once (then once a minute).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_store_that_refuses_or_is_down_is_not_ready() {
     let redis = testkit::RedisServer::start_with(&["--requirepass", "right"]);
@@ -231,20 +230,57 @@ async fn a_lease_store_that_refuses_or_is_down_is_not_ready() {
     assert_eq!(log.matches("cannot use the lease store").count(), 1, "said once, not every poll:\n{log}");
     let _ = child.kill();
     let _ = child.wait();
+}
 
-    // Down at start, then up: not ready while down, ready (and leading) once it answers.
-    let mut down = testkit::RedisServer::start();
-    down.kill();
-    env.insert("REDIS_URL".into(), down.url());
+/// The store (lease and cursors) is down when a replica starts, then comes up: the
+/// replica waits, not ready and saying why, and is ready once the store answers. One
+/// scenario, run on Redis and on NATS (a NATS store down at start had made the process
+/// exit 1 while a Redis one was waited for).
+async fn a_store_down_at_start_is_waited_for<S>(name: &str, var: &str, url: &str, come_up: impl FnOnce() -> S) {
+    let relay = sim(None).await;
+    let dir = tmpdir(name);
+    let mut env = base_env(&relay.url(), &dir);
+    let http = format!("127.0.0.1:{}", free_port());
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
+    env.insert("FIREKEEPER_SINK".into(), "null".into());
+    env.insert("FIREKEEPER_START".into(), "oldest".into());
+    env.insert(var.into(), url.into());
     let mut child = firekeeper(&env, &[], &dir.join("down.log"));
-    eventually("not ready while Redis is down", WAIT, async || {
-        readyz().await.is_some_and(|(code, body)| code == 503 && body.contains("cannot use the lease store"))
+    let readyz = async || http_get(&http, "/readyz").await;
+    eventually("not ready while the store is down, saying why", WAIT, async || {
+        readyz().await.is_some_and(|(code, body)| code == 503 && body.contains("cannot"))
     })
     .await;
-    down.restart();
-    eventually("ready once Redis answers", WAIT, async || readyz().await.is_some_and(|(code, _)| code == 200)).await;
+    assert!(child.try_wait().expect("wait").is_none(), "the replica waits for the store instead of exiting");
+    let _server = come_up(); // kept up until the end
+    eventually("ready once the store answers", WAIT, async || readyz().await.is_some_and(|(code, _)| code == 200))
+        .await;
     let _ = child.kill();
     let _ = child.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_down_at_start_is_waited_for() {
+    let mut redis = testkit::RedisServer::start();
+    redis.kill();
+    let url = redis.url();
+    a_store_down_at_start_is_waited_for("redis-down", "REDIS_URL", &url, move || {
+        redis.restart();
+        redis
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_down_at_start_is_waited_for() {
+    let mut nats = testkit::NatsServer::start();
+    nats.kill();
+    let url = nats.url();
+    a_store_down_at_start_is_waited_for("nats-down", "NATS_URL", &url, move || {
+        nats.restart();
+        nats
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,9 +13,6 @@ pub enum Error {
     /// The lease timings are invalid.
     #[error(transparent)]
     Lease(#[from] lease::ConfigError),
-    /// The lease fence could not be seeded from the cursor store at startup.
-    #[error("seeding the lease fence from the cursor store: {0}")]
-    SeedFence(String),
     /// A condition an operator must fix; the cursor stays before it.
     #[error(transparent)]
     Fatal(#[from] Fatal),

@@ -49,11 +49,13 @@ impl Consumer {
     /// the caller decides what shutdown means (a signal, a test's oneshot).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
         let Self { settings, lease: (backend, lease_cfg), store, handler, instance, clock, status, shadow } = self;
-        if let Some(seen) = store.fence_floor().await.map_err(|e| Error::SeedFence(e.to_string()))? {
-            // Tokens must stay above what the cursor store has seen, even if the lease
-            // store lost its counter.
-            let fence = backend.seed_fence(seen).await.map_err(|e| Error::SeedFence(e.to_string()))?;
-            tracing::info!(seen, fence, store = store.name(), "lease fence seeded from the cursor store");
+        let mut shutdown = pin!(shutdown);
+        tokio::select! {
+            () = seed_fence(&*store, &*backend, &status) => {}
+            () = &mut shutdown => {
+                status.update(|s| s.role = Role::Stopped);
+                return Ok(());
+            }
         }
         let recollection = recall(shadow.as_ref()).await;
         // A replica that remembers nothing, facing a store with no cursor either, does not
@@ -124,7 +126,6 @@ impl Consumer {
         };
         let r = {
             let mut lead = pin!(lead_loop(&cx, events));
-            let mut shutdown = pin!(shutdown);
             let mut keeper = pin!(keep_shadow(shadow.as_ref(), &handle, &remembered, recollection.clone()));
             tokio::select! {
                 r = &mut lead => r,
@@ -143,6 +144,42 @@ impl Consumer {
         status.update(|s| s.role = Role::Stopped);
         handle.join().await;
         r
+    }
+}
+
+/// Raises the lease fence to what the cursor store has seen (tokens stay above it even if
+/// the lease store lost its counter). A store that does not answer at start (down, or
+/// refusing the credentials) is waited for, not ready and named on `/readyz`, logged at
+/// once and then once a minute, as a standby treats its lease store: the same on every
+/// backend (a NATS store had made the process exit, a Redis one waited).
+async fn seed_fence(store: &dyn CursorStore, backend: &dyn Backend, status: &StatusHandle) {
+    let mut warned: Option<tokio::time::Instant> = None;
+    loop {
+        let r = match store.fence_floor().await {
+            Ok(None) => Ok(None),
+            Ok(Some(seen)) => {
+                backend.seed_fence(seen).await.map(|fence| Some((seen, fence))).map_err(|e| e.to_string())
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        match r {
+            Ok(seeded) => {
+                if let Some((seen, fence)) = seeded {
+                    tracing::info!(seen, fence, store = store.name(), "lease fence seeded from the cursor store");
+                }
+                status.starting_because(None);
+                return;
+            }
+            Err(e) => {
+                let why = format!("cannot seed the lease fence from the cursor store: {e}");
+                if warned.is_none_or(|w| w.elapsed() >= std::time::Duration::from_mins(1)) {
+                    tracing::warn!(store = store.name(), "{why}; retrying every second, logged once a minute");
+                    warned = Some(tokio::time::Instant::now());
+                }
+                status.starting_because(Some(why));
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
     }
 }
 

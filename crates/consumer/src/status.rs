@@ -122,6 +122,7 @@ struct Inner {
     commit_stalled: AtomicBool,
     desync: Arc<crate::verify::Desync>,
     lease_trouble: std::sync::OnceLock<Trouble>,
+    starting_why: Mutex<Option<String>>,
 }
 
 impl Default for StatusHandle {
@@ -136,6 +137,7 @@ impl Default for StatusHandle {
             commit_stalled: AtomicBool::new(false),
             desync: Arc::default(),
             lease_trouble: std::sync::OnceLock::new(),
+            starting_why: Mutex::new(None),
         }))
     }
 }
@@ -176,7 +178,8 @@ impl StatusHandle {
             return Some(format!("cannot use the lease store: {t}"));
         }
         if !self.0.ready.load(Ordering::Relaxed) {
-            return Some("starting".into());
+            let why = self.0.starting_why.lock().ok().and_then(|w| w.clone());
+            return Some(why.map_or_else(|| "starting".into(), |w| format!("starting: {w}")));
         }
         let s = self.0.status.borrow();
         if self.0.refused.load(Ordering::Relaxed) {
@@ -189,6 +192,13 @@ impl StatusHandle {
             return Some("the cursor store takes no commit".into());
         }
         None
+    }
+
+    /// What keeps the start from going on (a store that does not answer), for `/readyz`.
+    pub(crate) fn starting_because(&self, why: Option<String>) {
+        if let Ok(mut w) = self.0.starting_why.lock() {
+            *w = why;
+        }
     }
 
     /// The lease store's trouble as the supervisor last saw it.
