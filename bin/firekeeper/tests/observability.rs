@@ -236,15 +236,16 @@ async fn a_lease_store_that_refuses_or_is_down_is_not_ready() {
 /// replica waits, not ready and saying why, and is ready once the store answers. One
 /// scenario, run on Redis and on NATS (a NATS store down at start had made the process
 /// exit 1 while a Redis one was waited for).
-async fn a_store_down_at_start_is_waited_for<S>(name: &str, var: &str, url: &str, come_up: impl FnOnce() -> S) {
+async fn a_store_down_at_start_is_waited_for(var: &str, url: &str, mut server: impl testkit::cluster::StoreServer) {
     let relay = sim(None).await;
-    let dir = tmpdir(name);
+    let dir = tmpdir(&format!("{}-down", server.kind()));
     let mut env = base_env(&relay.url(), &dir);
     let http = format!("127.0.0.1:{}", free_port());
     env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
     env.insert("FIREKEEPER_SINK".into(), "null".into());
     env.insert("FIREKEEPER_START".into(), "oldest".into());
     env.insert(var.into(), url.into());
+    server.kill();
     let mut child = firekeeper(&env, &[], &dir.join("down.log"));
     let readyz = async || http_get(&http, "/readyz").await;
     eventually("not ready while the store is down, saying why", WAIT, async || {
@@ -252,7 +253,7 @@ async fn a_store_down_at_start_is_waited_for<S>(name: &str, var: &str, url: &str
     })
     .await;
     assert!(child.try_wait().expect("wait").is_none(), "the replica waits for the store instead of exiting");
-    let _server = come_up(); // kept up until the end
+    server.restart();
     eventually("ready once the store answers", WAIT, async || readyz().await.is_some_and(|(code, _)| code == 200))
         .await;
     let _ = child.kill();
@@ -261,26 +262,14 @@ async fn a_store_down_at_start_is_waited_for<S>(name: &str, var: &str, url: &str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_at_start_is_waited_for() {
-    let mut redis = testkit::RedisServer::start();
-    redis.kill();
-    let url = redis.url();
-    a_store_down_at_start_is_waited_for("redis-down", "REDIS_URL", &url, move || {
-        redis.restart();
-        redis
-    })
-    .await;
+    let redis = testkit::RedisServer::start();
+    a_store_down_at_start_is_waited_for("REDIS_URL", &redis.url(), redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_down_at_start_is_waited_for() {
-    let mut nats = testkit::NatsServer::start();
-    nats.kill();
-    let url = nats.url();
-    a_store_down_at_start_is_waited_for("nats-down", "NATS_URL", &url, move || {
-        nats.restart();
-        nats
-    })
-    .await;
+    let nats = testkit::NatsServer::start();
+    a_store_down_at_start_is_waited_for("NATS_URL", &nats.url(), nats).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

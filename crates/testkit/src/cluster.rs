@@ -206,6 +206,8 @@ pub trait StoreServer {
     fn pause(&self);
     /// SIGCONT.
     fn resume(&self);
+    /// Killed (down until [`StoreServer::restart`]).
+    fn kill(&mut self);
     /// Killed and started again on the same port (Redis comes back empty; NATS keeps
     /// its store).
     fn restart(&mut self);
@@ -226,6 +228,9 @@ macro_rules! store_server {
             }
             fn resume(&self) {
                 Self::resume(self);
+            }
+            fn kill(&mut self) {
+                Self::kill(self);
             }
             fn restart(&mut self) {
                 Self::restart(self);
