@@ -44,9 +44,10 @@ pub enum Acquire {
     Held {
         /// Their `<instance>:<token>`.
         holder: String,
-        /// How long their key has left, where the store can tell: the holder cannot lead
-        /// past that, so a standby does not start a term before it even if the store
-        /// loses the key (a restart without persistence, a lagging replica promoted).
+        /// How long their key has left: the holder cannot lead past that, so a standby
+        /// does not start a term before it even if the store loses the key (a restart
+        /// without persistence, a lagging replica promoted). `None`: the store cannot
+        /// tell, and the standby assumes a whole ttl from now.
         expires_in: Option<Duration>,
     },
 }

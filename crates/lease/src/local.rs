@@ -89,7 +89,7 @@ impl Backend for LocalBackend {
     async fn acquire(&self, instance: &str, _ttl: Duration, floor: u64) -> Result<Acquire, BackendError> {
         let mut held = self.held.lock().map_err(|_| BackendError::Unavailable("lock poisoned".into()))?;
         if let Some((_, v)) = held.as_ref() {
-            return Ok(Acquire::Held { holder: v.clone(), expires_in: None });
+            return Ok(Acquire::Held { holder: v.clone(), expires_in: Some(Duration::ZERO) });
         }
         let mut f = OpenOptions::new()
             .read(true)
@@ -103,7 +103,9 @@ impl Backend for LocalBackend {
             Err(std::fs::TryLockError::WouldBlock) => {
                 let mut s = String::new();
                 let _ = f.read_to_string(&mut s);
-                return Ok(Acquire::Held { holder: s.trim().to_owned(), expires_in: None });
+                // The OS lock is the lease: its holder leads exactly while it holds it,
+                // so there is no expiry to wait out once it is free.
+                return Ok(Acquire::Held { holder: s.trim().to_owned(), expires_in: Some(Duration::ZERO) });
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(io("locking lock file", &e)),
         }

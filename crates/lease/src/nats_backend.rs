@@ -139,6 +139,15 @@ impl NatsBackend {
         Some(ttl.saturating_sub(age))
     }
 
+    /// The current holder, with how long its key has left; `None` when nobody holds it.
+    async fn held(&self, ttl: Duration) -> Result<Option<Acquire>, BackendError> {
+        let entry = self.lease.op("read", |st| async move { st.entry(LEADER).await }).await?;
+        Ok(entry.filter(|e| e.operation == Operation::Put).map(|e| Acquire::Held {
+            holder: String::from_utf8_lossy(&e.value).into_owned(),
+            expires_in: Some(Self::expires_in(&e, ttl).unwrap_or(ttl)),
+        }))
+    }
+
     /// After creating `leader` with `token`: `true` if no candidate raised the fence past
     /// it meanwhile; else the key is deleted again.
     async fn confirm(&self, token: u64, rev: u64) -> Result<bool, BackendError> {
@@ -162,11 +171,8 @@ impl NatsBackend {
         floor: u64,
         between: impl Future<Output = ()>,
     ) -> Result<Acquire, BackendError> {
-        let entry = self.lease.op("read", |st| async move { st.entry(LEADER).await }).await?;
-        if let Some(e) = entry.filter(|e| e.operation == Operation::Put) {
-            let holder = String::from_utf8_lossy(&e.value).into_owned();
-            let expires_in = Self::expires_in(&e, ttl);
-            return Ok(Acquire::Held { holder, expires_in });
+        if let Some(held) = self.held(ttl).await? {
+            return Ok(held);
         }
         let (fence, rev) = self.number_at(FENCE).await?;
         let (seen, _) = self.number_at(FENCE_SEEN).await?;
@@ -176,10 +182,14 @@ impl NatsBackend {
         }
         between.await;
         let Some(lrev) = self.create_leader(&format!("{instance}:{token}")).await? else {
-            let holder = self.read(&self.lease, LEADER).await?;
-            let holder = holder
-                .map_or_else(|| "<released meanwhile>".to_owned(), |(v, _)| String::from_utf8_lossy(&v).into_owned());
-            return Ok(Acquire::Held { holder, expires_in: None });
+            // Another candidate created the key first: report it with its expiry, as
+            // above, so this standby knows how long that holder may lead even if the
+            // store loses the key (issue 34's CI run: a `None` here let a standby start
+            // a term beside a leader whose key NATS lost in a restart).
+            return Ok(self.held(ttl).await?.unwrap_or_else(|| Acquire::Held {
+                holder: "<released meanwhile>".to_owned(),
+                expires_in: Some(ttl),
+            }));
         };
         if self.confirm(token, lrev).await? {
             Ok(Acquire::Acquired { token })
@@ -335,5 +345,25 @@ mod tests {
         assert!(out.is_err(), "a backs off: {out:?}");
         assert_eq!(a.snapshot().await.expect("snapshot").holder, None, "and its key is gone");
         assert_eq!(a.acquire("a", Duration::from_secs(5), 0).await.expect("again"), Acquire::Acquired { token: 3 });
+    }
+
+    /// A candidate that loses the create race reports the winner with its key's expiry
+    /// (it was `None`, and a standby then had no expiry to wait out when NATS lost the
+    /// key: two leaders in issue 34's CI run).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_candidate_that_loses_the_create_race_reports_the_winners_expiry() {
+        let server = testkit::NatsServer::start();
+        let n = server.connect(Duration::from_secs(2)).await;
+        let ttl = Duration::from_secs(5);
+        let a = NatsBackend::new(&n, "race2", ttl);
+        let b = NatsBackend::new(&n, "race2", ttl);
+        let win = async {
+            assert_eq!(a.acquire("a", ttl, 0).await.expect("a acquires"), Acquire::Acquired { token: 2 });
+        };
+        let Acquire::Held { holder, expires_in } = b.acquire_with("b", ttl, 0, win).await.expect("b") else {
+            panic!("b cannot have won");
+        };
+        assert_eq!(holder, "a:2");
+        assert!(expires_in.is_some_and(|d| d > Duration::from_secs(3) && d <= ttl), "{expires_in:?}");
     }
 }

@@ -708,13 +708,13 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Another holder is there: remember its token (floor) and its key's expiry.
+    /// Another holder is there: remember its token (floor) and its key's expiry, a whole
+    /// ttl from now when the store cannot tell (the holder renewed at the latest now, so
+    /// it cannot lead past that).
     fn on_held(&mut self, holder: &str, expires_in: Option<Duration>) {
         self.see(holder);
-        if let Some(d) = expires_in {
-            let at = self.clock.now() + d;
-            self.not_before = Some(self.not_before.map_or(at, |nb| nb.max(at)));
-        }
+        let at = self.clock.now() + expires_in.unwrap_or(self.cfg.ttl);
+        self.not_before = Some(self.not_before.map_or(at, |nb| nb.max(at)));
     }
 
     fn raise_seen(&mut self, t: u64) {

@@ -453,3 +453,32 @@ async fn a_cold_replica_acquires_after_a_ttl_or_at_once_from_a_store_with_a_fenc
     assert!(t1.elapsed() < Duration::from_secs(1), "a store with a fence has not lost its data");
     assert_eq!(t.token(), 5);
 }
+
+/// A standby that saw the holder through a store that cannot say when its key expires
+/// (`expires_in: None`, as this mock and a NATS candidate that lost the create race
+/// report it) and then finds the key gone with the store's data must not start a term
+/// within a ttl of that sighting: the holder may still be leading on its last renewal.
+/// The CI run of issue 34 caught this on NATS (two leaders for 100 ms after a wiped
+/// server); the mutation (ignore a `None` expiry) makes this red.
+#[tokio::test(start_paused = true)]
+async fn a_holder_seen_without_an_expiry_is_waited_out_when_the_store_loses_its_key() {
+    let m = Mock::new();
+    let (_a, mut a_ev, _) = start(&m, "a");
+    let ta = elected(&mut a_ev).await;
+    let (_b, mut b_ev, _) = start(&m, "b");
+    sleep(Duration::from_millis(2500)).await;
+    assert!(b_ev.try_recv().is_err(), "b stands by behind a");
+    // The store goes away and comes back empty (a restart on a lost volume): for 3 s
+    // every call fails; then the key and the fence are gone.
+    m.set_mode(Mode::Fail);
+    m.force(None, Some(0));
+    sleep(Duration::from_secs(3)).await;
+    m.set_mode(Mode::Normal);
+    for _ in 0..300 {
+        sleep(Duration::from_millis(100)).await;
+        if let Ok(LeaseEvent::Elected(tb)) = b_ev.try_recv() {
+            assert!(!ta.is_active(), "b elected (token {}) while a still leads (token {})", tb.token(), ta.token());
+        }
+    }
+    assert!(ta.is_active(), "a retook its key once the store answered and leads on");
+}
