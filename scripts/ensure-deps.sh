@@ -12,6 +12,8 @@ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || need+=
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 # libfaketime: the wall-clock-jump test fakes CLOCK_REALTIME of one process.
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || need+=(libfaketime)
+# openssl (the command): the TLS-to-Redis test makes a throw-away CA and certificate.
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 # libsecp256k1 (secp256k1-sys) is compiled from C: a C compiler is needed.
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 # promtool (Debian prometheus) unit-tests the alert rules; docker-compose validates the

@@ -25,9 +25,10 @@ pub fn advice(e: &anyhow::Error) -> Option<String> {
              `firekeeper cursor set --relay {relay} <seq>`"
         ),
         Fatal::NoCursor { role, .. } => format!(
-            "on a deployment's first start set FIREKEEPER_START=live (the live tail) or oldest (the relay's oldest \
-             event); if the store lost its data, set the cursor to the last seq your downstream has with \
-             `firekeeper cursor set --relay {role} <seq>`; then restart"
+            "on a deployment's very first start set FIREKEEPER_START=oldest (everything the relay still has) or \
+             live (only what the relay publishes from now on: everything before is skipped, never delivered); \
+             if this deployment ran before, the store lost its data: set the cursor to the last seq your \
+             downstream has with `firekeeper cursor set --relay {role} <seq>`; then restart"
         ),
         Fatal::CursorCorrupt { role, .. } => format!(
             "set the cursor with `firekeeper cursor set --relay {role} <seq>` (the seq of the last event your \
@@ -67,7 +68,12 @@ mod tests {
         let a = advice(&e).expect("advice");
         assert!(a.contains("FIREKEEPER_BAD_FRAME=skip") && a.contains("cursor set --relay primary 700"), "{a}");
         let lost = Error::Fatal(Fatal::NoCursor { role: RelayRole::Secondary, fingerprint: "f".into(), token: 3 });
-        assert!(advice(&lost.into()).expect("advice").contains("firekeeper cursor set --relay secondary"));
+        let said = advice(&lost.into()).expect("advice");
+        assert!(said.contains("firekeeper cursor set --relay secondary"), "{said}");
+        assert!(
+            said.contains("live (only what the relay publishes from now on: everything before is skipped"),
+            "{said}"
+        );
         assert_eq!(advice(&anyhow::anyhow!("something else")), None);
     }
 }

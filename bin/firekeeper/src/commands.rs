@@ -120,14 +120,27 @@ fn absolute(p: &Path) -> String {
 
 /// Prints the lease state.
 pub async fn lease_show(cfg: &Config) -> Result<()> {
-    let snap = open_lease(cfg).await?.snapshot().await?;
+    let lease = open_lease(cfg).await?;
+    let snap = lease.snapshot().await?;
     say!(
         "holder {} fence {} fence-seen {} ttl {}",
         snap.holder.as_deref().unwrap_or("none"),
         snap.fence,
         snap.fence_seen,
         snap.ttl.map_or_else(|| "-".into(), |t| format!("{}ms", t.as_millis()))
-    )
+    )?;
+    // The deployment's settings record, as the last leader wrote it (replicas whose own
+    // differ do not take over).
+    match lease.deployment().await? {
+        Some((token, record)) => {
+            say!("settings written by term {token}:")?;
+            for line in record.lines() {
+                say!("  {line}")?;
+            }
+            Ok(())
+        }
+        None => say!("settings: none written yet"),
+    }
 }
 
 /// Prints the desynchronised repos a running replica lists at `/repos/invalid`.

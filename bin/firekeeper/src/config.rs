@@ -48,6 +48,8 @@ pub struct Config {
     pub relay_secondary: Option<RelayUrl>,
     /// `REDIS_URL`: enables the Redis lease.
     pub redis_url: Option<String>,
+    /// The CA file `rediss://` is verified against (`None`: the system's roots).
+    pub redis_ca_file: Option<PathBuf>,
     /// `NATS_URL` and its credentials.
     pub nats: Option<NatsConfig>,
     /// The lease backend.
@@ -74,6 +76,8 @@ pub struct Config {
     pub instance_id: Option<String>,
     /// `json` (default) or `text` logs.
     pub log_json: bool,
+    /// Take over even when the deployment's settings record differs.
+    pub allow_settings_change: bool,
 }
 
 /// Every problem, one line each, naming the variable.
@@ -206,15 +210,21 @@ fn nats(r: &Raw, errors: &mut Vec<String>) -> Option<NatsConfig> {
 
 /// Checks that hold within one part: URLs, lease timings, names, limits.
 fn check_parts(r: &Raw, errors: &mut Vec<String>) {
-    if let Some(u) = &r.redis_url {
-        if u.trim_start().to_ascii_lowercase().starts_with("rediss://") {
-            errors.push(
-                "REDIS_URL: rediss:// (TLS) is not supported by this build yet; use redis:// on a private network \
-                 or through a local TLS tunnel (stunnel, spiped)"
-                    .into(),
-            );
-        } else if redis::Client::open(u.as_str()).is_err() {
-            errors.push("REDIS_URL is not a valid redis:// URL (redis://[:password@]host:port[/db])".into());
+    if let Some(u) = &r.redis_url
+        && redis::Client::open(u.as_str()).is_err()
+    {
+        errors.push(
+            "REDIS_URL is not a valid redis:// or rediss:// URL (redis[s]://[[user]:password@]host:port[/db])".into(),
+        );
+    }
+    if let Some(p) = &r.redis_ca_file {
+        match std::fs::read(p) {
+            Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => {}
+            Ok(_) => errors.push(format!("FIREKEEPER_REDIS_CA_FILE {} holds no PEM certificate", p.display())),
+            Err(e) => errors.push(format!("FIREKEEPER_REDIS_CA_FILE {} cannot be read: {e}", p.display())),
+        }
+        if !r.redis_url.as_deref().is_some_and(|u| u.trim_start().to_ascii_lowercase().starts_with("rediss://")) {
+            errors.push("FIREKEEPER_REDIS_CA_FILE is set but REDIS_URL is not rediss:// (TLS)".into());
         }
     }
     if let (Some(p), Some(s)) = (&r.relay, &r.relay_secondary)
@@ -295,6 +305,7 @@ impl TryFrom<Raw> for Config {
             relay,
             relay_secondary: r.relay_secondary,
             redis_url: r.redis_url,
+            redis_ca_file: r.redis_ca_file,
             nats,
             lease_backend,
             database_url: r.database_url,
@@ -308,11 +319,39 @@ impl TryFrom<Raw> for Config {
             options,
             instance_id: r.instance_id,
             log_json: r.log == LogFormat::Json,
+            allow_settings_change: r.allow_settings_change,
         })
     }
 }
 
 impl Config {
+    /// The settings of this binary's that change what downstream receives, for the
+    /// record replicas compare ([`consumer::Deployment`]): the input, the sink and its
+    /// target (by a short fingerprint, never the URL: it may carry credentials; a jsonl
+    /// path is not compared, each replica writes its own file), the key prefix.
+    #[must_use]
+    pub fn deployment(&self) -> consumer::Deployment {
+        let fp = |s: &str| {
+            use sha2::Digest as _;
+            sha2::Sha256::digest(s.as_bytes()).iter().take(6).fold(String::new(), |mut o, b| {
+                use std::fmt::Write as _;
+                let _ = write!(o, "{b:02x}");
+                o
+            })
+        };
+        let sink = match &self.sink {
+            SinkKind::Jsonl(_) => "jsonl".to_owned(),
+            SinkKind::Postgres => format!("postgres:{}", fp(&postgres_target(self.database_url.as_deref()))),
+            SinkKind::Webhook { url, .. } => format!("webhook:{}", fp(url)),
+            SinkKind::Nats(js) => format!("nats:{}:{}", js.stream, js.subject_prefix),
+            SinkKind::Null => "null".into(),
+        };
+        consumer::Deployment::default()
+            .with("input", "firehose")
+            .with("sink", sink)
+            .with("key_prefix", self.lease.key_prefix.clone())
+    }
+
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, ConfigErrors> {
         Self::from_source(&std::env::vars().collect())
@@ -364,6 +403,13 @@ impl Config {
     }
 }
 
+/// A Postgres URL's host, port and database (what the sink writes to), without the
+/// credentials.
+fn postgres_target(url: Option<&str>) -> String {
+    let Some(u) = url.and_then(|u| url::Url::parse(u).ok()) else { return String::new() };
+    format!("{}:{}{}", u.host_str().unwrap_or(""), u.port().unwrap_or(5432), u.path())
+}
+
 #[cfg(test)]
 mod tests {
     use consumer::GapPolicy;
@@ -393,8 +439,15 @@ mod tests {
 
     #[test]
     fn a_tls_redis_url_is_refused_by_saying_so() {
-        let e = cfg(&[("REDIS_URL", "rediss://:pw@cache.example:6380")]).expect_err("no TLS in this build");
-        assert!(e.to_string().contains("rediss:// (TLS) is not supported by this build"), "{e}");
+        let c = cfg(&[("REDIS_URL", "rediss://:pw@cache.example:6380")]).expect("TLS to Redis");
+        assert_eq!(c.lease_backend, LeaseKind::Redis);
+        let e = cfg(&[("REDIS_URL", "redis://h:1"), ("FIREKEEPER_REDIS_CA_FILE", "/nonexistent/ca.pem")])
+            .expect_err("a CA file that cannot be read, for a URL without TLS");
+        let said = e.to_string();
+        assert!(
+            said.contains("/nonexistent/ca.pem cannot be read") && said.contains("REDIS_URL is not rediss://"),
+            "{said}"
+        );
         assert!(!e.to_string().contains("pw@"));
     }
 

@@ -44,10 +44,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if let Some(p) = &cfg.redis_ca_file {
+        // Checked readable and PEM by the configuration; read once for every connection.
+        let trusted = std::fs::read(p).map_err(|e| e.to_string()).and_then(redis_op::trust_ca_pem);
+        if let Err(e) = trusted {
+            eprintln!("firekeeper: FIREKEEPER_REDIS_CA_FILE {}: {e}", p.display());
+            return ExitCode::from(2);
+        }
+    }
     if matches!(cli.command, Some(Command::CheckConfig)) {
         return finish(check_config(&cfg), false);
     }
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let json = cfg.log_json;
     let command = cli.command.unwrap_or(Command::Run);
     let r = telemetry::init(json, !matches!(command, Command::Run)).and_then(|guard| {
@@ -144,7 +152,9 @@ async fn run(cfg: Config) -> Result<()> {
         .options(cfg.options.clone())
         .shared_store(stores::open_store(&cfg).await?)
         .shared_handler(stores::open_sink(&cfg).await?)
-        .shadow(Some(Arc::new(consumer::ShadowFile::new(&stores::shadow_file(&cfg)))));
+        .shadow(Some(Arc::new(consumer::ShadowFile::new(&stores::shadow_file(&cfg)))))
+        .deployment(cfg.deployment())
+        .allow_settings_change(cfg.allow_settings_change);
     if let Some(id) = &cfg.instance_id {
         builder = builder.instance_id(id);
     }

@@ -151,6 +151,7 @@ pub struct Raw {
     pub relay: Option<RelayUrl>,
     pub relay_secondary: Option<RelayUrl>,
     pub redis_url: Option<String>,
+    pub redis_ca_file: Option<PathBuf>,
     pub database_url: Option<String>,
     pub nats_url: Option<String>,
     pub nats_creds: Option<PathBuf>,
@@ -175,6 +176,7 @@ pub struct Raw {
     pub chain: ChainMode,
     pub instance_id: Option<String>,
     pub log: LogFormat,
+    pub allow_settings_change: bool,
 }
 
 impl Default for Raw {
@@ -184,6 +186,7 @@ impl Default for Raw {
             relay: RelayUrl::parse("wss://bsky.network").ok(),
             relay_secondary: None,
             redis_url: None,
+            redis_ca_file: None,
             database_url: None,
             nats_url: None,
             nats_creds: None,
@@ -208,6 +211,7 @@ impl Default for Raw {
             options,
             instance_id: None,
             log: LogFormat::Json,
+            allow_settings_change: false,
         }
     }
 }
@@ -348,7 +352,8 @@ fn relay(v: &str) -> Result<Option<RelayUrl>, String> {
 pub const SETTINGS: &[Setting] = &[
     setting!("FIREKEEPER_RELAY", Kind::Url, |r, v| r.relay = relay(v)?, |_d| "wss://bsky.network".into(), "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added)"),
     setting!("FIREKEEPER_RELAY_SECONDARY", Kind::Url, |r, v| r.relay_secondary = relay(v)?, shown "none", "secondary relay; used after repeated primary failures, with failback probing"),
-    text!("REDIS_URL", Kind::External, redis_url, "none", "enables the Redis lease and (by default) the Redis cursor store"),
+    text!("REDIS_URL", Kind::External, redis_url, "none", "enables the Redis lease and (by default) the Redis cursor store; `rediss://` connects over TLS, verified against the system's roots or `FIREKEEPER_REDIS_CA_FILE`"),
+    text!("FIREKEEPER_REDIS_CA_FILE", Kind::Text, redis_ca_file, "the system's roots", "PEM file of the CA certificates a `rediss://` Redis is verified against instead of the system's roots (a private CA, a managed service's own CA)"),
     text!("DATABASE_URL", Kind::External, database_url, "none", "Postgres for the `postgres` sink and cursor store"),
     text!("NATS_URL", Kind::External, nats_url, "none", "NATS with JetStream (`nats://host:port`) for the `nats` lease, cursor store and sink; shown by host and port only"),
     text!("NATS_CREDS", Kind::Text, nats_creds, "none", "path of a NATS `.creds` file (JWT and seed), if the server wants one"),
@@ -375,7 +380,8 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_LEASE_OP_TIMEOUT_MS", lease.op_timeout, "hard timeout of every Redis call"),
     millis!("FIREKEEPER_LEASE_MARGIN_MS", lease.margin, "the leader stops acting this long before the key could expire"),
     millis!("FIREKEEPER_LEASE_POLL_MS", lease.poll, "standby poll (±20 % jitter); standbys also wake on release"),
-    choice!("FIREKEEPER_START", Start, options.start, "where a term starts when the cursor store holds no cursor for its relay and no earlier term is known (lease token 1, nothing in this replica's shadow file): a deployment's very first start, or a store that lost its data, which look alike. `refuse` (stop and say so: set the cursor with `firekeeper cursor set`), `live` (the relay's live tail) or `oldest` (the oldest event the relay still has). Meant for the first start: once a term ran (token above 1) a missing cursor always refuses, whatever this says"),
+    choice!("FIREKEEPER_ALLOW_SETTINGS_CHANGE", bool, allow_settings_change, "take over even when this replica's settings differ from those the deployment's latest leader wrote beside the lease (relays, collections, verification, sink and its target, key prefix): set it on the replicas of a deliberate, rolling change, and remove it once the change is out. Without it such a replica stands by without taking over, not ready, with the differences in `/status` (`settings_differ`), the log and `firekeeper_settings_differ`"),
+    choice!("FIREKEEPER_START", Start, options.start, "where a term starts when the cursor store holds no cursor for its relay and this replica remembers none (nothing in its shadow file): a deployment's very first start, or a store that lost its data, which look alike (a store that lost its data may hand out token 1 again, so the token cannot tell them apart). `refuse` (stop and say so: set the cursor with `firekeeper cursor set`), `live` (the relay's live tail: everything published before is skipped) or `oldest` (the oldest event the relay still has). Meant for the first start: remove it afterwards, or a store that loses its data later skips (`live`) or replays (`oldest`) without a word"),
     millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed (one write in flight; intake reads on meanwhile); a quiet stream writes its cursor again every 10 intervals, so a store that lost it gets it back"),
     millis!("FIREKEEPER_DRAIN_BUDGET_MS", options.drain_budget, "step-down drain budget"),
     millis!("FIREKEEPER_UNCOMMITTED_MAX_MS", options.uncommitted_max, "when the cursor store takes no commit for this long while there is something to commit, intake waits until one lands (not ready meanwhile, `commit_stalled` in `/status`): what a crash can repeat stays bounded by what was handed over in this long"),

@@ -39,7 +39,11 @@ async fn a_first_start_refuses_unless_told_where_to_start() {
     let status = tokio::task::spawn_blocking(move || wait_exit(a)).await.expect("join");
     let log = std::fs::read_to_string(dir.join("a.log")).unwrap_or_default();
     assert_eq!(status.code(), Some(1), "{log}");
-    assert!(log.contains("FIREKEEPER_START=live") && log.contains("firekeeper cursor set"), "says what to set:\n{log}");
+    assert!(
+        log.contains("FIREKEEPER_START=oldest") && log.contains("firekeeper cursor set"),
+        "says what to set:\n{log}"
+    );
+    assert!(log.contains("everything before is skipped, never delivered"), "and what `live` skips:\n{log}");
     assert!(lines(&dir.join("a.jsonl")).is_empty(), "nothing delivered");
     assert!(cursor_shown(&env).ends_with("cursor none"), "nothing committed");
 

@@ -189,3 +189,144 @@ async fn json_logs_have_one_key_per_field_and_no_debug_text() {
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("is not a log filter"));
 }
+
+/// Item 1: a replica whose settings differ from the deployment's does not take over.
+/// A leads with no filter; B starts with `FIREKEEPER_COLLECTIONS` set: not ready, the
+/// difference in `/status` and `/metrics`; A is killed and B still does not lead (it
+/// would have changed what downstream receives without a word); C, with B's filter and
+/// `FIREKEEPER_ALLOW_SETTINGS_CHANGE=true`, takes over and writes its settings, and B,
+/// now in agreement, is ready. Written once, run on Redis and on NATS.
+async fn replicas_that_disagree(var: &str, url: &str) {
+    let relay = sim(None).await;
+    let dir = tmpdir(&format!("disagree-{}", var.to_lowercase()));
+    let replica = |name: &str, extra: &[(&str, &str)]| {
+        let mut env = base_env(&relay.url(), &dir.join(name));
+        let http = format!("127.0.0.1:{}", testkit::free_port());
+        for (k, v) in [
+            (var, url),
+            ("FIREKEEPER_HTTP_ADDR", http.as_str()),
+            ("FIREKEEPER_START", "oldest"),
+            ("FIREKEEPER_SINK", "null"),
+            ("FIREKEEPER_INSTANCE_ID", name),
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        {
+            env.insert(k.into(), v.into());
+        }
+        std::fs::create_dir_all(dir.join(name)).expect("dir");
+        (testkit::proc::firekeeper(&env, &[], &dir.join(format!("{name}.log"))), http)
+    };
+    let status = async |http: &str| {
+        let body = testkit::http::http_get(http, "/status").await.map(|r| r.1).unwrap_or_default();
+        serde_json::from_str::<serde_json::Value>(&body).unwrap_or(serde_json::Value::Null)
+    };
+    let (mut a, a_http) = replica("a", &[]);
+    eventually("a leads and wrote its settings", WAIT, async || {
+        status(&a_http).await["role"] == "leader"
+            && std::fs::read_to_string(dir.join("a.log")).unwrap_or_default().contains("settings record")
+    })
+    .await;
+    let like = ("FIREKEEPER_COLLECTIONS", "app.bsky.feed.like");
+    let (mut b, b_http) = replica("b", &[like]);
+    eventually("b is not ready and says why", WAIT, async || {
+        testkit::http::http_get(&b_http, "/readyz")
+            .await
+            .is_some_and(|(code, body)| code == 503 && body.contains("settings differ") && body.contains("collections"))
+    })
+    .await;
+    let s = status(&b_http).await;
+    assert_eq!(s["settings_differ"][0]["key"], "collections", "{s}");
+    assert_eq!(s["settings_differ"][0]["ours"], "app.bsky.feed.like", "{s}");
+    assert_eq!(s["settings_differ"][0]["leader"], "*", "{s}");
+    let metrics = testkit::http::http_get(&b_http, "/metrics").await.map(|r| r.1).unwrap_or_default();
+    assert!(metrics.lines().any(|l| l == "firekeeper_settings_differ 1"), "{metrics}");
+    let log = std::fs::read_to_string(dir.join("b.log")).unwrap_or_default();
+    assert!(log.contains("settings differ from the deployment") && log.contains("collections: here"), "{log}");
+    let _ = a.kill();
+    let _ = a.wait();
+    // Three ttls: any standby would have taken over by now.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(6);
+    while std::time::Instant::now() < until {
+        assert_ne!(status(&b_http).await["role"], "leader", "b took over with different settings");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let (mut c, c_http) = replica("c", &[like, ("FIREKEEPER_ALLOW_SETTINGS_CHANGE", "true")]);
+    eventually("c, allowed to change the settings, takes over", WAIT, async || {
+        status(&c_http).await["role"] == "leader"
+    })
+    .await;
+    eventually("b agrees with c's settings and is ready", WAIT, async || {
+        testkit::http::http_get(&b_http, "/readyz").await.is_some_and(|(code, _)| code == 200)
+    })
+    .await;
+    assert!(status(&b_http).await["settings_differ"].is_null());
+    let mut show = base_env(&relay.url(), &dir.join("show"));
+    show.insert(var.into(), url.into());
+    let shown = run_once(&show, &["lease", "show"]);
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(text.contains("settings written by term") && text.contains("  collections=app.bsky.feed.like"), "{text}");
+    for p in [&mut b, &mut c] {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_that_disagree_on_redis() {
+    let redis = testkit::RedisServer::start();
+    replicas_that_disagree("REDIS_URL", &redis.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_that_disagree_on_nats() {
+    let nats = testkit::NatsServer::start();
+    replicas_that_disagree("NATS_URL", &nats.url()).await;
+}
+
+/// Item 2: TLS to Redis. A `redis-server` with a TLS port and a certificate from a
+/// throw-away CA: without `FIREKEEPER_REDIS_CA_FILE` the system's roots do not know that
+/// CA, so the replica is not ready and `/readyz` names the certificate; with it, the
+/// replica leads over `rediss://` and its cursor lands in that Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leads_over_tls_to_redis_and_names_a_certificate_it_cannot_verify() {
+    let ca = testkit::TestCa::new();
+    let redis = testkit::RedisServer::start_tls(&ca);
+    let relay = sim(None).await;
+    let dir = tmpdir("tls-redis");
+    let mut env = base_env(&relay.url(), &dir);
+    let http = format!("127.0.0.1:{}", testkit::free_port());
+    for (k, v) in [
+        ("REDIS_URL", redis.tls_url()),
+        ("FIREKEEPER_HTTP_ADDR", http.clone()),
+        ("FIREKEEPER_SINK", "null".into()),
+        ("FIREKEEPER_START", "oldest".into()),
+    ] {
+        env.insert(k.into(), v);
+    }
+    let mut unverified = testkit::proc::firekeeper(&env, &[], &dir.join("unverified.log"));
+    eventually("not ready, naming the certificate", WAIT, async || {
+        testkit::http::http_get(&http, "/readyz").await.is_some_and(|(code, body)| {
+            code == 503 && body.to_lowercase().contains("certificate") && body.contains("localhost:")
+        })
+    })
+    .await;
+    let _ = unverified.kill();
+    let _ = unverified.wait();
+    env.insert("FIREKEEPER_REDIS_CA_FILE".into(), ca.ca_file().to_string_lossy().into_owned());
+    let check = run_once(&env, &["check-config"]);
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let child = testkit::proc::firekeeper(&env, &[], &dir.join("tls.log"));
+    let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
+    let mut admin = redis.admin();
+    eventually("the leader commits its cursor over TLS", WAIT, async || {
+        redis::cmd("GET")
+            .arg(format!("{{firekeeper}}:cursor:{fp}"))
+            .query::<Option<String>>(&mut admin)
+            .ok()
+            .flatten()
+            .is_some()
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+}

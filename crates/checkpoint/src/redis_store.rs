@@ -356,7 +356,7 @@ pub struct Published<'a> {
 /// reconnecting after errors, until the task is dropped.
 pub async fn follow_commits(url: String, channel: String, mut seen: impl FnMut(Published<'_>) + Send) {
     use futures_util::StreamExt;
-    let Ok(client) = redis::Client::open(url) else { return };
+    let Ok(client) = redis_op::client(&url) else { return };
     loop {
         if let Ok(Ok(mut ps)) = tokio::time::timeout(Duration::from_secs(5), client.get_async_pubsub()).await
             && ps.subscribe(&channel).await.is_ok()

@@ -7,6 +7,7 @@ use checkpoint::CursorStore;
 use lease::{Backend, BootClock, Clock, LeaseConfig};
 use relay_client::{ClientConfig, RelayUrl};
 
+use crate::deployment::Deployment;
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::options::Options;
@@ -20,6 +21,11 @@ pub(crate) struct Settings {
     pub(crate) secondary: Option<RelayUrl>,
     pub(crate) client: ClientConfig,
     pub(crate) options: Options,
+    /// The settings record this replica writes when it leads and compares before it
+    /// contends (see [`crate::deployment`]).
+    pub(crate) deployment: Deployment,
+    /// Contend even when the record differs (a rolling change).
+    pub(crate) allow_settings_change: bool,
 }
 
 /// Assembles a [`Consumer`]: relays, lease backend, cursor store and handler.
@@ -35,6 +41,8 @@ pub struct Builder {
     instance: Option<String>,
     clock: Arc<dyn Clock>,
     shadow: Option<Arc<dyn Shadow>>,
+    deployment: Deployment,
+    allow_settings_change: bool,
 }
 
 impl Builder {
@@ -51,6 +59,8 @@ impl Builder {
             instance: None,
             clock: Arc::new(BootClock),
             shadow: None,
+            deployment: Deployment::default(),
+            allow_settings_change: false,
         }
     }
 
@@ -120,6 +130,21 @@ impl Builder {
         self
     }
 
+    /// Settings of the caller's that change what downstream receives (the sink and its
+    /// target, the key prefix), added to the consumer's own (relays, collections,
+    /// verification) in the record compared between replicas.
+    pub fn deployment(mut self, extra: Deployment) -> Self {
+        self.deployment = extra;
+        self
+    }
+
+    /// Contend for the lease even when this replica's settings differ from those the
+    /// deployment's latest leader wrote (a deliberate, rolling change).
+    pub fn allow_settings_change(mut self, allow: bool) -> Self {
+        self.allow_settings_change = allow;
+        self
+    }
+
     /// Checks the parts and returns a consumer ready to run.
     pub fn build(self) -> Result<Consumer, Error> {
         let missing = |what: &str| Error::Config(format!("no {what} given to the builder"));
@@ -136,12 +161,15 @@ impl Builder {
         if instance.contains(':') || instance.is_empty() || instance.len() > 128 {
             return Err(Error::Config("the instance id must be 1 to 128 bytes without ':'".into()));
         }
+        let deployment = own_settings(&self.primary, self.secondary.as_ref(), &self.options, self.deployment);
         Ok(Consumer {
             settings: Settings {
                 primary: self.primary,
                 secondary: self.secondary,
                 client: self.client,
                 options: self.options,
+                deployment,
+                allow_settings_change: self.allow_settings_change,
             },
             lease,
             store,
@@ -152,4 +180,25 @@ impl Builder {
             shadow: self.shadow,
         })
     }
+}
+
+/// The consumer's settings that change what downstream receives or where the cursor
+/// lives, over `extra`: each relay by its cursor key (fingerprint) with its URL shown
+/// without credentials, the collection filter, the verification mode.
+fn own_settings(primary: &RelayUrl, secondary: Option<&RelayUrl>, options: &Options, extra: Deployment) -> Deployment {
+    let relay = |r: &RelayUrl| format!("{} {}", r.fingerprint(), r.redacted());
+    let collections = options.collections.as_ref().map_or_else(
+        || "*".to_owned(),
+        |c| {
+            let mut e = c.entries().to_vec();
+            e.sort();
+            e.dedup();
+            e.join(",")
+        },
+    );
+    extra
+        .with("relay.primary", relay(primary))
+        .with("relay.secondary", secondary.map_or_else(|| "none".to_owned(), relay))
+        .with("collections", collections)
+        .with("verify", format!("{:?}", options.verify.mode).to_lowercase())
 }

@@ -58,6 +58,7 @@
 mod builder;
 pub mod chain;
 mod continuity;
+pub mod deployment;
 pub mod error;
 pub mod handler;
 pub mod metrics;
@@ -74,6 +75,7 @@ pub use async_trait::async_trait;
 pub use crate::builder::Builder;
 pub use crate::chain::{ChainBreak, ChainBreaks};
 pub use crate::continuity::GapPolicy;
+pub use crate::deployment::Deployment;
 pub use crate::error::{Error, Fatal};
 pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerError, Pending};
 pub use crate::options::{Options, Start};

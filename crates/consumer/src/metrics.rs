@@ -38,6 +38,9 @@ pub const COMMITTED_SEQ: &str = "firekeeper_committed_seq";
 pub const RELAY_CONNECTED: &str = "firekeeper_relay_connected";
 /// 1, labelled with the running version.
 pub const BUILD_INFO: &str = "firekeeper_build_info";
+/// 1 while this replica's settings differ from those the deployment's latest leader
+/// wrote beside the lease (it does not take over unless a change is allowed).
+pub const SETTINGS_DIFFER: &str = "firekeeper_settings_differ";
 /// Events delivered and not yet done.
 pub const QUEUE_DEPTH: &str = "firekeeper_queue_depth";
 /// 1 while the leader consumes from the secondary relay.
@@ -124,6 +127,10 @@ pub const ALL: &[Metric] = &[
     gauge(ON_SECONDARY, "1 while the leader consumes from the secondary relay"),
     gauge(CHAIN_REPOS, "repos the chain check remembers"),
     gauge(SWITCH_REFUSED_NOW, "1 while a refused relay switch holds the leader on its relay"),
+    gauge(
+        SETTINGS_DIFFER,
+        "1 while this replica's settings differ from those the deployment's latest leader wrote (it does not take over)",
+    ),
     Metric {
         name: BUILD_INFO,
         kind: MetricKind::Gauge,

@@ -10,6 +10,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_util::sync::CancellationToken;
 
 use crate::builder::Settings;
+use crate::deployment;
 use crate::error::Error;
 use crate::handler::{Handler, Render};
 use crate::metrics;
@@ -66,7 +67,10 @@ impl Consumer {
                 Ok(ReadOutcome::Found(_) | ReadOutcome::Corrupt(_))
             );
         let recollection = recollection.unwrap_or_default();
-        let prior = Prior { floor: recollection.token, cold };
+        let policy = deployment::Policy { allow_change: settings.allow_settings_change };
+        let (held_back, found) = deployment::at_start(&*backend, &settings.deployment, policy, &status).await;
+        let prior = Prior { floor: recollection.token, cold, held_back };
+        let backend_for_record = backend.clone();
         let (handle, events) = lease::spawn_with(backend, lease_cfg, clock, &instance, prior)?;
         status.watch_lease(handle.store_trouble());
         status.update(|s| {
@@ -127,6 +131,8 @@ impl Consumer {
         let r = {
             let mut lead = pin!(lead_loop(&cx, events));
             let mut keeper = pin!(keep_shadow(shadow.as_ref(), &handle, &remembered, recollection.clone()));
+            let mut record =
+                pin!(deployment::keep(&*backend_for_record, &settings.deployment, policy, &handle, &status, found));
             tokio::select! {
                 r = &mut lead => r,
                 () = &mut shutdown => {
@@ -134,6 +140,7 @@ impl Consumer {
                     lead.await
                 }
                 never = &mut keeper => match never {},
+                never = &mut record => match never {},
             }
         };
         if let Some(s) = &shadow {

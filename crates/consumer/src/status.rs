@@ -91,6 +91,9 @@ pub struct Status {
     /// Why the lease store cannot be used now (down, credentials refused): this replica
     /// could not take over, so it is not ready.
     pub lease_store_error: Option<String>,
+    /// The settings on which this replica differs from the deployment's latest leader:
+    /// it does not take over (not ready) unless a change is allowed.
+    pub settings_differ: Option<Vec<crate::deployment::Difference>>,
 }
 
 /// Shared with the lease supervisor: its latest store trouble.
@@ -123,6 +126,7 @@ struct Inner {
     desync: Arc<crate::verify::Desync>,
     lease_trouble: std::sync::OnceLock<Trouble>,
     starting_why: Mutex<Option<String>>,
+    held_back: AtomicBool,
 }
 
 impl Default for StatusHandle {
@@ -138,6 +142,7 @@ impl Default for StatusHandle {
             desync: Arc::default(),
             lease_trouble: std::sync::OnceLock::new(),
             starting_why: Mutex::new(None),
+            held_back: AtomicBool::new(false),
         }))
     }
 }
@@ -177,6 +182,13 @@ impl StatusHandle {
         if let Some(t) = self.lease_trouble() {
             return Some(format!("cannot use the lease store: {t}"));
         }
+        if self.0.held_back.load(Ordering::Relaxed) {
+            let s = self.0.status.borrow();
+            let keys = s.settings_differ.iter().flatten().map(|d| d.key.as_str()).collect::<Vec<_>>().join(", ");
+            return Some(format!(
+                "settings differ from the deployment's ({keys}): this replica will not take over; set FIREKEEPER_ALLOW_SETTINGS_CHANGE=true for a deliberate change"
+            ));
+        }
         if !self.0.ready.load(Ordering::Relaxed) {
             let why = self.0.starting_why.lock().ok().and_then(|w| w.clone());
             return Some(why.map_or_else(|| "starting".into(), |w| format!("starting: {w}")));
@@ -192,6 +204,13 @@ impl StatusHandle {
             return Some("the cursor store takes no commit".into());
         }
         None
+    }
+
+    /// The settings on which this replica differs from the deployment's (`None`: none);
+    /// `holds_back`: it does not take over because of them, so it is not ready.
+    pub(crate) fn settings_differ(&self, d: Option<Vec<crate::deployment::Difference>>, holds_back: bool) {
+        self.0.held_back.store(d.is_some() && holds_back, Ordering::Relaxed);
+        self.update(|s| s.settings_differ = d);
     }
 
     /// What keeps the start from going on (a store that does not answer), for `/readyz`.

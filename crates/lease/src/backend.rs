@@ -105,6 +105,20 @@ pub trait Backend: Send + Sync + 'static {
     /// Fired when some holder releases, so standbys try at once; `None` if the store
     /// has no such signal.
     fn release_signal(&self) -> Option<Arc<Notify>>;
+    /// The settings record the latest leader wrote beside the lease, with its term's
+    /// token: what a replica compares its own settings with before it contends.
+    async fn deployment(&self) -> Result<Option<(u64, String)>, BackendError>;
+    /// Writes the settings record of the term `token`, unless a later term's record is
+    /// already there (a stale leader cannot overwrite its successor's). Returns whether
+    /// it was written.
+    async fn set_deployment(&self, token: u64, record: &str) -> Result<bool, BackendError>;
+}
+
+/// Splits a stored settings record `<token>\n<record>`.
+#[must_use]
+pub fn split_deployment(stored: &str) -> Option<(u64, String)> {
+    let (t, rest) = stored.split_once('\n')?;
+    Some((t.parse().ok()?, rest.to_owned()))
 }
 
 /// Parses `<instance>:<token>`.

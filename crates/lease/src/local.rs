@@ -16,6 +16,7 @@ use crate::backend::{Acquire, Backend, BackendError, Renew, Snapshot, parse_hold
 pub struct LocalBackend {
     lock_path: PathBuf,
     fence_path: PathBuf,
+    deployment_path: PathBuf,
     held: Mutex<Option<(File, String)>>,
     released: Arc<Notify>,
 }
@@ -28,11 +29,15 @@ impl LocalBackend {
     /// Uses `<path>` as the lock file and `<path>.fence` as the counter.
     #[must_use]
     pub fn new(path: &Path) -> Self {
-        let mut fence = path.as_os_str().to_owned();
-        fence.push(".fence");
+        let beside = |ext: &str| {
+            let mut p = path.as_os_str().to_owned();
+            p.push(ext);
+            PathBuf::from(p)
+        };
         Self {
             lock_path: path.to_owned(),
-            fence_path: fence.into(),
+            fence_path: beside(".fence"),
+            deployment_path: beside(".deployment"),
             held: Mutex::new(None),
             released: Arc::new(Notify::new()),
         }
@@ -47,16 +52,7 @@ impl LocalBackend {
     }
 
     fn write_fence(&self, v: u64) -> Result<(), BackendError> {
-        let mut tmp = self.fence_path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
-        let mut f = File::create(&tmp).map_err(|e| io("writing fence file", &e))?;
-        f.write_all(v.to_string().as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing fence file", &e))?;
-        std::fs::rename(&tmp, &self.fence_path).map_err(|e| io("renaming fence file", &e))?;
-        if let Some(dir) = self.fence_path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing lease directory", &e))?;
-        }
-        Ok(())
+        write_durably(&self.fence_path, v.to_string().as_bytes(), "fence file")
     }
 
     /// The holder named in the lock file, only while a process (this one or another)
@@ -160,4 +156,37 @@ impl Backend for LocalBackend {
     fn release_signal(&self) -> Option<Arc<Notify>> {
         Some(self.released.clone())
     }
+
+    async fn deployment(&self) -> Result<Option<(u64, String)>, BackendError> {
+        match std::fs::read_to_string(&self.deployment_path) {
+            Ok(s) => crate::backend::split_deployment(&s).map(Some).ok_or_else(|| {
+                BackendError::Protocol(format!("{} is not <token>\\n<settings>", self.deployment_path.display()))
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io("reading the settings record", &e)),
+        }
+    }
+
+    async fn set_deployment(&self, token: u64, record: &str) -> Result<bool, BackendError> {
+        if self.deployment().await.ok().flatten().is_some_and(|(t, _)| t > token) {
+            return Ok(false);
+        }
+        write_durably(&self.deployment_path, format!("{token}\n{record}").as_bytes(), "settings record")?;
+        Ok(true)
+    }
+}
+
+/// Writes `bytes` to `path` through a synced temporary file and a rename, then syncs
+/// the directory: a crash leaves the old content or the new, never a torn one.
+fn write_durably(path: &Path, bytes: &[u8], what: &str) -> Result<(), BackendError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let mut f = File::create(&tmp).map_err(|e| io(&format!("writing {what}"), &e))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| io(&format!("writing {what}"), &e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(&format!("renaming {what}"), &e))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing lease directory", &e))?;
+    }
+    Ok(())
 }

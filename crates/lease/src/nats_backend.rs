@@ -35,6 +35,8 @@ use crate::backend::{Acquire, Backend, BackendError, Renew, Snapshot, parse_hold
 
 const LEADER: &str = "leader";
 const FENCE: &str = "fence";
+/// The settings record of the latest term: `<token>\n<record>`.
+const DEPLOYMENT: &str = "deployment";
 /// Written by the NATS cursor store: the highest token a commit presented.
 pub const FENCE_SEEN: &str = "fence-seen";
 
@@ -296,6 +298,39 @@ impl Backend for NatsBackend {
 
     fn release_signal(&self) -> Option<Arc<Notify>> {
         Some(self.released.clone())
+    }
+
+    async fn deployment(&self) -> Result<Option<(u64, String)>, BackendError> {
+        let Some((v, _)) = self.read(&self.state, DEPLOYMENT).await? else { return Ok(None) };
+        let text = String::from_utf8_lossy(&v);
+        crate::backend::split_deployment(&text).map(Some).ok_or_else(|| {
+            protocol(format!(
+                "{DEPLOYMENT} holds {:?}, not <token>\\n<settings>",
+                text.chars().take(60).collect::<String>()
+            ))
+        })
+    }
+
+    async fn set_deployment(&self, token: u64, record: &str) -> Result<bool, BackendError> {
+        let value = Bytes::from(format!("{token}\n{record}"));
+        for _ in 0..5 {
+            let current = self.read(&self.state, DEPLOYMENT).await?;
+            let rev = match &current {
+                Some((v, rev)) => {
+                    let later =
+                        crate::backend::split_deployment(&String::from_utf8_lossy(v)).is_some_and(|(t, _)| t > token);
+                    if later {
+                        return Ok(false);
+                    }
+                    Some(*rev)
+                }
+                None => None,
+            };
+            if self.state.cas(DEPLOYMENT.to_owned(), value.clone(), rev).await?.is_some() {
+                return Ok(true);
+            }
+        }
+        Err(BackendError::Unavailable("the settings record kept changing while writing it".into()))
     }
 }
 

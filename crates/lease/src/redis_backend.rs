@@ -22,6 +22,8 @@ pub struct Keys {
     pub fence_seen: String,
     /// The channel release messages go to.
     pub channel: String,
+    /// The settings record of the latest term: `<token>\n<record>`.
+    pub deployment: String,
 }
 
 impl Keys {
@@ -35,6 +37,7 @@ impl Keys {
             fence: format!("{tag}:fence"),
             fence_seen: format!("{tag}:fence-seen"),
             channel: format!("{tag}:released"),
+            deployment: format!("{tag}:deployment"),
         }
     }
 }
@@ -90,6 +93,17 @@ end
 return 0
 ";
 
+// KEYS: deployment. ARGV: token, record. A later term's record stays.
+const DEPLOYMENT: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v then
+  local t = tonumber(string.match(v, '^(%d+)\n'))
+  if t and t > tonumber(ARGV[1]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. '\n' .. ARGV[2])
+return 1
+";
+
 // KEYS: fence, fence-seen. ARGV: min.
 const SEED: &str = r"
 local f = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
@@ -116,6 +130,7 @@ struct Scripts {
     renew: Script,
     release: Script,
     seed: Script,
+    deployment: Script,
 }
 
 impl std::fmt::Debug for RedisBackend {
@@ -166,6 +181,7 @@ impl RedisBackend {
                 renew: Script::new(RENEW),
                 release: Script::new(RELEASE),
                 seed: Script::new(SEED),
+                deployment: Script::new(DEPLOYMENT),
             },
             released,
             listener,
@@ -286,6 +302,32 @@ impl Backend for RedisBackend {
     fn release_signal(&self) -> Option<Arc<Notify>> {
         Some(self.released.clone())
     }
+
+    async fn deployment(&self) -> Result<Option<(u64, String)>, BackendError> {
+        let key = &self.keys.deployment;
+        let v: Option<String> =
+            self.with_conn(|mut c| async move { redis::cmd("GET").arg(key).query_async(&mut c).await }).await?;
+        v.map(|v| {
+            crate::backend::split_deployment(&v)
+                .ok_or_else(|| protocol(format!("{key} holds {:?}, not <token>\\n<settings>", truncate(&v))))
+        })
+        .transpose()
+    }
+
+    async fn set_deployment(&self, token: u64, record: &str) -> Result<bool, BackendError> {
+        let key = &self.keys.deployment;
+        let v: i64 = self
+            .with_conn(|mut c| async move {
+                self.scripts.deployment.key(key).arg(token).arg(record).invoke_async(&mut c).await
+            })
+            .await?;
+        Ok(v == 1)
+    }
+}
+
+/// At most 60 characters of `s`, for error messages about what a key holds.
+fn truncate(s: &str) -> String {
+    s.chars().take(60).collect()
 }
 
 /// Keeps a subscription to the release channel, reconnecting after errors.

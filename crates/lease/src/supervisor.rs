@@ -16,7 +16,7 @@
 //! whatever the backend says or does not say.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc, oneshot, watch};
@@ -227,6 +227,7 @@ pub struct LeaseHandle {
     instance: Arc<str>,
     seen: Arc<AtomicU64>,
     trouble: Arc<std::sync::Mutex<Option<String>>>,
+    held_back: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -243,6 +244,10 @@ pub struct Prior {
     /// acquire, so that a replica that remembers the last term (a higher floor, a shadowed
     /// cursor) takes it first.
     pub cold: bool,
+    /// Start held back: watch the lease (and remember the tokens seen) without acquiring
+    /// it until [`LeaseHandle::hold_back`] lets go (the caller's settings differ from the
+    /// deployment's).
+    pub held_back: bool,
 }
 
 impl std::fmt::Debug for Command {
@@ -348,6 +353,12 @@ impl LeaseHandle {
         self.trouble.clone()
     }
 
+    /// While `true`, a standby watches the lease without acquiring it (a replica whose
+    /// settings differ from the deployment's must not take over); a leader is unaffected.
+    pub fn hold_back(&self, held: bool) {
+        self.held_back.store(held, Ordering::Relaxed);
+    }
+
     /// Waits for the supervisor task to exit.
     pub async fn join(self) {
         let _ = self.task.await;
@@ -392,6 +403,7 @@ pub fn spawn_with(
     let floor = Arc::new(AtomicU64::new(prior.floor));
     let cold_until = prior.cold.then(|| clock.now() + cfg.ttl);
     let trouble: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let held_back = Arc::new(AtomicBool::new(prior.held_back));
     let sup = Supervisor {
         backend,
         cfg,
@@ -410,9 +422,10 @@ pub fn spawn_with(
         cold_until,
         cold_warned: false,
         trouble: trouble.clone(),
+        held_back: held_back.clone(),
     };
     let task = tokio::spawn(sup.run());
-    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, seen: floor, trouble, task }, ev_rx))
+    Ok((LeaseHandle { cmd: cmd_tx, status: status_rx, instance, seen: floor, trouble, held_back, task }, ev_rx))
 }
 
 struct Supervisor {
@@ -444,6 +457,8 @@ struct Supervisor {
     /// lead until then, so no term starts before it, even if the store loses the key.
     /// Cleared by a release, which the holder sends only after it stopped.
     not_before: Option<Duration>,
+    /// See [`LeaseHandle::hold_back`].
+    held_back: Arc<AtomicBool>,
 }
 
 enum LeadEnd {
@@ -556,7 +571,11 @@ impl Supervisor {
                 n.enable();
             }
             let sent = self.clock.now();
-            let r = if self.cold_until.is_some_and(|cu| sent < cu) {
+            let r = if self.held_back.load(Ordering::Relaxed) {
+                // Told not to take the lease: look only (the tokens seen still raise the
+                // floor, a holder's expiry is still waited out once let go).
+                self.watch_held_back().await.map(|()| None)
+            } else if self.cold_until.is_some_and(|cu| sent < cu) {
                 match self.watch_cold().await {
                     // The store has data: contend (or observe its holder) right away.
                     Ok(true) => continue,
@@ -688,6 +707,17 @@ impl Supervisor {
             );
         }
         Ok(self.cold_until.is_none())
+    }
+
+    /// A read-only look at the store while held back: remembers the holder as any
+    /// standby would.
+    async fn watch_held_back(&mut self) -> Result<(), BackendError> {
+        let snap = self.call(self.backend.snapshot()).await?;
+        self.raise_seen(snap.fence.max(snap.fence_seen));
+        if let Some(h) = snap.holder.filter(|h| !self.is_own(h)) {
+            self.on_held(&h, snap.ttl);
+        }
+        Ok(())
     }
 
     /// A read-only look at the store while an observed holder may still lead: a holder

@@ -1,5 +1,7 @@
 //! The lock-file backend, and the metrics the supervisor records.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,4 +64,10 @@ async fn lock_file_lease_hands_over_with_increasing_tokens_and_records_metrics()
     assert_eq!(count("firekeeper_lease_transitions_total", ("reason", "released")), 2);
     let renews = metrics.iter().find(|(k, _, _, _)| k.key().name() == "firekeeper_lease_renew_seconds");
     assert!(matches!(renews, Some((_, _, _, DebugValue::Histogram(h))) if !h.is_empty()), "renew latency recorded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_settings_record_keeps_the_latest_terms() {
+    let dir = tmpdir("record");
+    common::the_settings_record_keeps_the_latest_terms(&LocalBackend::new(&dir.join("lease.lock"))).await;
 }

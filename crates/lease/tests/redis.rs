@@ -428,3 +428,10 @@ async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once(
     proxy.set_cut(false);
     common::someone_elected_at_once(&mut a, &mut b, Instant::now()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_settings_record_keeps_the_latest_terms() {
+    let redis = RedisServer::start();
+    let b = RedisBackend::new(&redis.url(), "record", Duration::from_millis(500)).expect("backend");
+    common::the_settings_record_keeps_the_latest_terms(&b).await;
+}

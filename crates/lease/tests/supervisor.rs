@@ -130,6 +130,12 @@ impl Backend for Mock {
     fn release_signal(&self) -> Option<Arc<Notify>> {
         Some(self.released.clone())
     }
+    async fn deployment(&self) -> Result<Option<(u64, String)>, BackendError> {
+        Ok(None)
+    }
+    async fn set_deployment(&self, _token: u64, _record: &str) -> Result<bool, BackendError> {
+        Ok(true)
+    }
 }
 
 fn cfg() -> LeaseConfig {
@@ -421,10 +427,11 @@ fn start_with(m: &Mock, name: &str, prior: lease::Prior) -> (lease::LeaseHandle,
 async fn a_cold_replica_watches_an_empty_store_for_a_ttl_while_a_survivor_takes_it() {
     let m = Mock::new();
     let started = Instant::now();
-    let (cold, mut cold_ev) = start_with(&m, "cold", lease::Prior { floor: 0, cold: true });
+    let (cold, mut cold_ev) = start_with(&m, "cold", lease::Prior { floor: 0, cold: true, held_back: false });
     sleep(Duration::from_secs(3)).await;
     assert!(cold_ev.try_recv().is_err(), "no acquire from an empty store within the ttl");
-    let (survivor, mut survivor_ev) = start_with(&m, "survivor", lease::Prior { floor: 7, cold: false });
+    let (survivor, mut survivor_ev) =
+        start_with(&m, "survivor", lease::Prior { floor: 7, cold: false, held_back: false });
     let t = elected(&mut survivor_ev).await;
     assert_eq!(t.token(), 8, "above the floor the survivor remembered");
     sleep(Duration::from_secs(10)).await;
@@ -440,7 +447,7 @@ async fn a_cold_replica_watches_an_empty_store_for_a_ttl_while_a_survivor_takes_
 async fn a_cold_replica_acquires_after_a_ttl_or_at_once_from_a_store_with_a_fence() {
     let m = Mock::new();
     let t0 = Instant::now();
-    let (_h, mut ev) = start_with(&m, "cold", lease::Prior { floor: 0, cold: true });
+    let (_h, mut ev) = start_with(&m, "cold", lease::Prior { floor: 0, cold: true, held_back: false });
     let t = elected(&mut ev).await;
     let waited = t0.elapsed();
     assert!(waited >= cfg().ttl && waited <= cfg().ttl + Duration::from_secs(2), "waited {waited:?}");
@@ -448,7 +455,7 @@ async fn a_cold_replica_acquires_after_a_ttl_or_at_once_from_a_store_with_a_fenc
     let m2 = Mock::new();
     m2.force(None, Some(4));
     let t1 = Instant::now();
-    let (_h2, mut ev2) = start_with(&m2, "cold", lease::Prior { floor: 0, cold: true });
+    let (_h2, mut ev2) = start_with(&m2, "cold", lease::Prior { floor: 0, cold: true, held_back: false });
     let t = elected(&mut ev2).await;
     assert!(t1.elapsed() < Duration::from_secs(1), "a store with a fence has not lost its data");
     assert_eq!(t.token(), 5);

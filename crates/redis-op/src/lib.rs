@@ -56,16 +56,49 @@ pub fn describe(e: &redis::RedisError) -> String {
     } else {
         return format!("{:?}{}", e.kind(), e.detail().map(|d| format!(": {d}")).unwrap_or_default());
     };
-    match e.detail() {
+    // An i/o error's own text says what happened (a TLS certificate refused, a reset); it
+    // names no URL.
+    let cause = e.detail().map(str::to_owned).or_else(|| std::error::Error::source(e).map(ToString::to_string));
+    match cause {
         Some(d) => format!("{what} ({d})"),
         None => what.to_owned(),
     }
 }
 
+/// The CA certificates (PEM) `rediss://` connections trust instead of the system's roots;
+/// unset: the system's roots. One per process, like the TLS crypto provider.
+static TRUSTED_CA: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+
+/// Makes every later `rediss://` connection of this process trust the CA certificates in
+/// `pem` (and only them), for a Redis whose certificate a private CA signed. `Err` when
+/// `pem` holds no certificate, or another CA was already set.
+pub fn trust_ca_pem(pem: Vec<u8>) -> Result<(), String> {
+    if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
+        return Err("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into());
+    }
+    if TRUSTED_CA.get().is_some_and(|c| *c != pem) {
+        return Err("another CA was already set in this process".into());
+    }
+    let _ = TRUSTED_CA.set(pem);
+    Ok(())
+}
+
+/// A client for `url`: `redis://` in the clear, `rediss://` over TLS verified against the
+/// CA given to [`trust_ca_pem`] or else the system's roots. Every Redis client of the
+/// process is made here, so the lease, the cursors and their subscriptions agree.
+pub fn client(url: &str) -> redis::RedisResult<redis::Client> {
+    match TRUSTED_CA.get() {
+        Some(ca) if url.trim_start().get(..9).is_some_and(|s| s.eq_ignore_ascii_case("rediss://")) => {
+            redis::Client::build_with_tls(url, redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) })
+        }
+        _ => redis::Client::open(url),
+    }
+}
+
 impl Conn {
-    /// A connection to `url`; nothing is opened until the first call.
+    /// A connection to `url` (see [`client`]); nothing is opened until the first call.
     pub fn open(url: &str, op_timeout: Duration) -> Result<Self, OpError> {
-        let client = redis::Client::open(url).map_err(|e| OpError::Unavailable(describe(&e)))?;
+        let client = client(url).map_err(|e| OpError::Unavailable(describe(&e)))?;
         let addr = client.get_connection_info().addr().to_string();
         Ok(Self { client, addr, op_timeout, slot: Mutex::new(None) })
     }

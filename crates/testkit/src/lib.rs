@@ -165,6 +165,76 @@ impl ServerProc {
     }
 }
 
+/// A throw-away certificate authority and a server certificate it signed for `localhost`
+/// and `127.0.0.1` (made with the `openssl` command), for TLS tests.
+pub struct TestCa {
+    /// The directory holding `ca.pem`, `server.pem` and `server.key`.
+    pub dir: std::path::PathBuf,
+}
+
+impl TestCa {
+    /// Generates a CA and a server certificate (P-256, valid two days).
+    ///
+    /// # Panics
+    /// When `openssl` is missing or fails (scripts/ensure-deps.sh installs it).
+    #[must_use]
+    pub fn new() -> Self {
+        let dir = tmpdir("ca");
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .expect("openssl on PATH (scripts/ensure-deps.sh installs it)");
+            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+        run(&[
+            &["req", "-x509"][..],
+            &ec,
+            &["-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=firekeeper test CA"],
+            &["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ]
+        .concat());
+        run(&[&["req"][..], &ec, &["-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"]].concat());
+        std::fs::write(
+            dir.join("ext.cnf"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+        )
+        .expect("ext");
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ]);
+        Self { dir }
+    }
+
+    /// The CA certificate (PEM) clients verify the server against.
+    #[must_use]
+    pub fn ca_file(&self) -> std::path::PathBuf {
+        self.dir.join("ca.pem")
+    }
+}
+
+impl Default for TestCa {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// A `redis-server` child process owned by one test, in a directory of its own so that it
 /// never loads a `dump.rdb` another run left behind.
 pub struct RedisServer {
@@ -192,6 +262,43 @@ impl RedisServer {
     #[must_use]
     pub fn start_with(extra: &[&str]) -> Self {
         Self::launch(extra, false)
+    }
+
+    /// Starts with a TLS port beside the plain one (kept for set-up and checks), serving
+    /// `ca`'s server certificate: [`RedisServer::tls_url`] names it.
+    ///
+    /// # Panics
+    /// As [`RedisServer::start`], or when this `redis-server` was built without TLS.
+    #[must_use]
+    pub fn start_tls(ca: &TestCa) -> Self {
+        let port = free_port().to_string();
+        let file = |f: &str| ca.dir.join(f).to_string_lossy().into_owned();
+        let (cert, key, root) = (file("server.pem"), file("server.key"), file("ca.pem"));
+        Self::launch(
+            &[
+                "--tls-port",
+                &port,
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &root,
+                "--tls-auth-clients",
+                "no",
+            ],
+            false,
+        )
+    }
+
+    /// `rediss://localhost:<tls port>/` of a server started with [`RedisServer::start_tls`].
+    ///
+    /// # Panics
+    /// When it was started without TLS.
+    #[must_use]
+    pub fn tls_url(&self) -> String {
+        let at = self.extra.iter().position(|a| a == "--tls-port").expect("started with start_tls");
+        format!("rediss://localhost:{}/", self.extra[at + 1])
     }
 
     /// Starts with an append-only file in its own directory: [`RedisServer::restart`] and

@@ -65,3 +65,16 @@ pub async fn someone_elected_at_once<B>(a: &mut Node<B>, b: &mut Node<B>, back: 
     eprintln!("{} was elected {took:?} after the store answered the old leader again", winner.0);
     assert!(took < Duration::from_secs(3), "{took:?}: the late renewal kept the key for another ttl");
 }
+
+/// The settings record beside the lease: absent at first, written, read back, replaced
+/// by a later term's and never by an earlier one's (a stale leader cannot overwrite its
+/// successor's settings). Run on every backend.
+pub async fn the_settings_record_keeps_the_latest_terms(b: &dyn Backend) {
+    assert_eq!(b.deployment().await.expect("read"), None);
+    assert!(b.set_deployment(3, "collections=*\nverify=off\n").await.expect("write"));
+    assert_eq!(b.deployment().await.expect("read"), Some((3, "collections=*\nverify=off\n".to_owned())));
+    assert!(b.set_deployment(5, "collections=app.bsky.feed.like\n").await.expect("later"));
+    assert!(!b.set_deployment(4, "collections=*\n").await.expect("earlier"), "an earlier term's is refused");
+    assert_eq!(b.deployment().await.expect("read"), Some((5, "collections=app.bsky.feed.like\n".to_owned())));
+    assert!(b.set_deployment(5, "collections=app.bsky.feed.post\n").await.expect("same term"));
+}
