@@ -204,8 +204,15 @@ fn nats(r: &Raw, errors: &mut Vec<String>) -> Option<NatsConfig> {
     {
         errors.push(format!("NATS_CREDS {} is not a readable file", p.display()));
     }
-    let (creds_file, token) = (r.nats_creds.clone(), r.nats_token.clone());
-    Some(NatsConfig { url, creds_file, token, op_timeout: r.lease.op_timeout })
+    if let Some(p) = &r.nats_ca_file {
+        match std::fs::read(p) {
+            Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => {}
+            Ok(_) => errors.push(format!("FIREKEEPER_NATS_CA_FILE {} holds no PEM certificate", p.display())),
+            Err(e) => errors.push(format!("FIREKEEPER_NATS_CA_FILE {} cannot be read: {e}", p.display())),
+        }
+    }
+    let (creds_file, ca_file, token) = (r.nats_creds.clone(), r.nats_ca_file.clone(), r.nats_token.clone());
+    Some(NatsConfig { url, creds_file, ca_file, token, op_timeout: r.lease.op_timeout })
 }
 
 /// Checks that hold within one part: URLs, lease timings, names, limits.

@@ -155,6 +155,7 @@ pub struct Raw {
     pub database_url: Option<String>,
     pub nats_url: Option<String>,
     pub nats_creds: Option<PathBuf>,
+    pub nats_ca_file: Option<PathBuf>,
     pub nats_token: Option<String>,
     /// `None`: derived from the URLs set.
     pub lease_backend: Option<LeaseKind>,
@@ -190,6 +191,7 @@ impl Default for Raw {
             database_url: None,
             nats_url: None,
             nats_creds: None,
+            nats_ca_file: None,
             nats_token: None,
             lease_backend: None,
             store: None,
@@ -357,6 +359,7 @@ pub const SETTINGS: &[Setting] = &[
     text!("DATABASE_URL", Kind::External, database_url, "none", "Postgres for the `postgres` sink and cursor store"),
     text!("NATS_URL", Kind::External, nats_url, "none", "NATS with JetStream (`nats://host:port`) for the `nats` lease, cursor store and sink; shown by host and port only"),
     text!("NATS_CREDS", Kind::Text, nats_creds, "none", "path of a NATS `.creds` file (JWT and seed), if the server wants one"),
+    text!("FIREKEEPER_NATS_CA_FILE", Kind::Text, nats_ca_file, "the system's roots", "PEM file of the CA certificates a TLS NATS server (`tls://`, or one that requires TLS) is verified against instead of the system's roots"),
     text!("NATS_TOKEN", Kind::Secret, nats_token, "none", "NATS auth token, if the server wants one (never logged)"),
     setting!("FIREKEEPER_LEASE_BACKEND", Kind::Choice, |r, v| r.lease_backend = Some(choose(v)?), shown "`redis` with `REDIS_URL`, else `nats` with `NATS_URL`, else `local`", "where the leader lease lives: `redis`, `nats` (a JetStream KV bucket whose entries expire after the ttl) or `local` (a lock file: one machine)"),
     setting!("FIREKEEPER_CURSOR_STORE", Kind::Choice, |r, v| r.store = Some(choose(v)?), shown "`postgres` with the postgres sink, else the lease backend's (`redis`, `nats`), else `file`", "`redis`, `nats`, `file` or `postgres`"),

@@ -97,8 +97,13 @@ async fn a_half_open_nats_link_to_the_leader_hands_over_at_its_deadline() {
 
 /// Every message of the `FIREKEEPER` stream: (subject, `Nats-Msg-Id`, body).
 async fn stream(url: &str) -> Vec<(String, String, serde_json::Value)> {
-    let cfg =
-        nats_op::NatsConfig { url: url.to_owned(), creds_file: None, token: None, op_timeout: Duration::from_secs(5) };
+    let cfg = nats_op::NatsConfig {
+        url: url.to_owned(),
+        creds_file: None,
+        ca_file: None,
+        token: None,
+        op_timeout: Duration::from_secs(5),
+    };
     let n = nats_op::Nats::connect(&cfg).await.expect("connect");
     let s = n.jetstream().get_stream("FIREKEEPER").await.expect("the stream");
     let last = s.get_info().await.expect("info").state.last_sequence;

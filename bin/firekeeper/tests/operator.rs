@@ -284,20 +284,18 @@ async fn replicas_that_disagree_on_nats() {
     replicas_that_disagree("NATS_URL", &nats.url()).await;
 }
 
-/// Item 2: TLS to Redis. A `redis-server` with a TLS port and a certificate from a
-/// throw-away CA: without `FIREKEEPER_REDIS_CA_FILE` the system's roots do not know that
-/// CA, so the replica is not ready and `/readyz` names the certificate; with it, the
-/// replica leads over `rediss://` and its cursor lands in that Redis.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_leads_over_tls_to_redis_and_names_a_certificate_it_cannot_verify() {
-    let ca = testkit::TestCa::new();
-    let redis = testkit::RedisServer::start_tls(&ca);
+/// Item 2: TLS to the store. A server with a certificate from a throw-away CA: without
+/// the CA file the system's roots do not know that CA, so the replica is not ready and
+/// `/readyz` names the certificate; with it, the replica leads over TLS and its cursor
+/// lands in that store. Written once, run on Redis (`rediss://`) and on NATS (a server
+/// that requires TLS).
+async fn a_replica_leads_over_tls(url_var: &str, url: &str, ca_var: &str, ca: &testkit::TestCa, names_cause: bool) {
     let relay = sim(None).await;
-    let dir = tmpdir("tls-redis");
+    let dir = tmpdir(&format!("tls-{}", url_var.to_lowercase()));
     let mut env = base_env(&relay.url(), &dir);
     let http = format!("127.0.0.1:{}", testkit::free_port());
     for (k, v) in [
-        ("REDIS_URL", redis.tls_url()),
+        (url_var, url.to_owned()),
         ("FIREKEEPER_HTTP_ADDR", http.clone()),
         ("FIREKEEPER_SINK", "null".into()),
         ("FIREKEEPER_START", "oldest".into()),
@@ -305,28 +303,39 @@ async fn a_replica_leads_over_tls_to_redis_and_names_a_certificate_it_cannot_ver
         env.insert(k.into(), v);
     }
     let mut unverified = testkit::proc::firekeeper(&env, &[], &dir.join("unverified.log"));
-    eventually("not ready, naming the certificate", WAIT, async || {
+    // The NATS client reports a refused certificate as "IO error" only, so there the
+    // reason names the server and the failed call, not the certificate.
+    eventually("not ready, naming the server (and, on Redis, the certificate)", WAIT, async || {
         testkit::http::http_get(&http, "/readyz").await.is_some_and(|(code, body)| {
-            code == 503 && body.to_lowercase().contains("certificate") && body.contains("localhost:")
+            code == 503 && body.contains("localhost:") && (!names_cause || body.to_lowercase().contains("certificate"))
         })
     })
     .await;
     let _ = unverified.kill();
     let _ = unverified.wait();
-    env.insert("FIREKEEPER_REDIS_CA_FILE".into(), ca.ca_file().to_string_lossy().into_owned());
+    env.insert(ca_var.into(), ca.ca_file().to_string_lossy().into_owned());
     let check = run_once(&env, &["check-config"]);
     assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
     let child = testkit::proc::firekeeper(&env, &[], &dir.join("tls.log"));
-    let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
-    let mut admin = redis.admin();
     eventually("the leader commits its cursor over TLS", WAIT, async || {
-        redis::cmd("GET")
-            .arg(format!("{{firekeeper}}:cursor:{fp}"))
-            .query::<Option<String>>(&mut admin)
-            .ok()
-            .flatten()
-            .is_some()
+        let shown = run_once(&env, &["cursor", "show"]);
+        shown.status.success() && !String::from_utf8_lossy(&shown.stdout).trim_end().ends_with("cursor none")
     })
     .await;
     assert!(sigterm_and_wait(child).success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leads_over_tls_to_redis_and_names_a_certificate_it_cannot_verify() {
+    let ca = testkit::TestCa::new();
+    let redis = testkit::RedisServer::start_tls(&ca);
+    a_replica_leads_over_tls("REDIS_URL", &redis.tls_url(), "FIREKEEPER_REDIS_CA_FILE", &ca, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leads_over_tls_to_nats_and_is_not_ready_with_a_certificate_it_cannot_verify() {
+    let ca = testkit::TestCa::new();
+    let nats = testkit::NatsServer::start_tls(&ca);
+    let url = format!("nats://localhost:{}", nats.port());
+    a_replica_leads_over_tls("NATS_URL", &url, "FIREKEEPER_NATS_CA_FILE", &ca, false).await;
 }

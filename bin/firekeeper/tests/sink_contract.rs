@@ -219,6 +219,7 @@ impl Downstream {
                 let cfg = nats_op::NatsConfig {
                     url: self.nats.as_ref().expect("nats").url(),
                     creds_file: None,
+                    ca_file: None,
                     token: None,
                     op_timeout: Duration::from_secs(5),
                 };

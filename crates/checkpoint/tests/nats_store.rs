@@ -18,7 +18,7 @@ const FP: &str = "9f2c1e0b7a6d5c4b3a29181706f5e4d3c2b1a09f8e7d6c5b4a3928170615f4
 const OP: Duration = Duration::from_millis(500);
 
 async fn nats(url: &str) -> Nats {
-    Nats::connect(&NatsConfig { url: url.to_owned(), creds_file: None, token: None, op_timeout: OP })
+    Nats::connect(&NatsConfig { url: url.to_owned(), creds_file: None, ca_file: None, token: None, op_timeout: OP })
         .await
         .expect("connect")
 }

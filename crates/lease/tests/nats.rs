@@ -15,7 +15,7 @@ use testkit::{NatsServer, TcpProxy, WAIT};
 use tokio::time::{sleep, timeout};
 
 async fn nats(url: &str, op_timeout: Duration) -> Nats {
-    Nats::connect(&NatsConfig { url: url.to_owned(), creds_file: None, token: None, op_timeout })
+    Nats::connect(&NatsConfig { url: url.to_owned(), creds_file: None, ca_file: None, token: None, op_timeout })
         .await
         .expect("connect")
 }

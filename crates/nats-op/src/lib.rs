@@ -52,6 +52,9 @@ pub struct NatsConfig {
     pub url: String,
     /// A `.creds` file (a JWT and an `NKey` seed), if the server wants one.
     pub creds_file: Option<PathBuf>,
+    /// PEM CA certificates a TLS server (`tls://`, or one that requires TLS) is verified
+    /// against instead of the system's roots.
+    pub ca_file: Option<PathBuf>,
     /// A token, if the server wants one.
     pub token: Option<String>,
     /// Bound on every operation (and on connecting).
@@ -63,6 +66,7 @@ impl std::fmt::Debug for NatsConfig {
         f.debug_struct("NatsConfig")
             .field("url", &redact(&self.url))
             .field("creds_file", &self.creds_file)
+            .field("ca_file", &self.ca_file)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("op_timeout", &self.op_timeout)
             .finish()
@@ -115,6 +119,9 @@ impl Nats {
             .reconnect_delay_callback(|n| Duration::from_millis((50 * (1u64 << n.min(5))).min(1000)));
         if let Some(t) = &cfg.token {
             opts = opts.token(t.clone());
+        }
+        if let Some(ca) = &cfg.ca_file {
+            opts = opts.add_root_certificates(ca.clone());
         }
         if let Some(path) = &cfg.creds_file {
             opts = opts
@@ -481,6 +488,7 @@ mod tests {
         let cfg = NatsConfig {
             url: "nats://u:hunter2@h:1".into(),
             creds_file: None,
+            ca_file: None,
             token: Some("t0ken".into()),
             op_timeout: Duration::from_secs(1),
         };
@@ -496,6 +504,7 @@ mod tests {
         let cfg = NatsConfig {
             url: format!("nats://user:hunter2@127.0.0.1:{port}"),
             creds_file: None,
+            ca_file: None,
             token: None,
             op_timeout: Duration::from_millis(200),
         };

@@ -400,6 +400,7 @@ async fn js(name: &str, clock: Arc<OffsetClock>, cfg: JetStreamConfig) -> Js {
     let nats = nats_op::Nats::connect(&nats_op::NatsConfig {
         url: server.url(),
         creds_file: None,
+        ca_file: None,
         token: None,
         op_timeout: Duration::from_secs(2),
     })

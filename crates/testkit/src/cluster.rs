@@ -370,7 +370,13 @@ fn watch_cursor(url: Arc<Mutex<String>>, key: String, history: Arc<Mutex<Vec<u64
 /// bucket, whose value starts with the cursor (`-` for none).
 fn watch_nats_cursor(url: String, key: String, history: Arc<Mutex<Vec<u64>>>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let cfg = nats_op::NatsConfig { url, creds_file: None, token: None, op_timeout: Duration::from_secs(1) };
+        let cfg = nats_op::NatsConfig {
+            url,
+            creds_file: None,
+            ca_file: None,
+            token: None,
+            op_timeout: Duration::from_secs(1),
+        };
         let Ok(n) = nats_op::Nats::connect(&cfg).await else { return };
         loop {
             if let Ok(kv) = n.jetstream().get_key_value("firekeeper-state").await {

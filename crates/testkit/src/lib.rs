@@ -449,6 +449,8 @@ pub struct NatsServer {
     port: u16,
     dir: std::path::PathBuf,
     child: ServerProc,
+    /// `--tls …` arguments: the server then requires TLS.
+    tls: Vec<String>,
 }
 
 fn nats_bin() -> std::path::PathBuf {
@@ -463,7 +465,18 @@ impl NatsServer {
     /// Starts a fresh server with JetStream on a free port and waits until it answers.
     #[must_use]
     pub fn start() -> Self {
-        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default() };
+        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default(), tls: Vec::new() };
+        s.spawn();
+        s
+    }
+
+    /// Starts a server that requires TLS, serving `ca`'s server certificate (clients
+    /// connect to `nats://localhost:<port>` and must trust `ca`).
+    #[must_use]
+    pub fn start_tls(ca: &TestCa) -> Self {
+        let file = |f: &str| ca.dir.join(f).to_string_lossy().into_owned();
+        let tls = vec!["--tls".into(), "--tlscert".into(), file("server.pem"), "--tlskey".into(), file("server.key")];
+        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default(), tls };
         s.spawn();
         s
     }
@@ -472,6 +485,7 @@ impl NatsServer {
         let child = Command::new(nats_bin())
             .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(&self.dir)
+            .args(&self.tls)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -521,7 +535,7 @@ impl NatsServer {
     /// # Panics
     /// When the settings are refused (they cannot be: no credentials file).
     pub async fn connect(&self, op_timeout: Duration) -> nats_op::Nats {
-        let cfg = nats_op::NatsConfig { url: self.url(), creds_file: None, token: None, op_timeout };
+        let cfg = nats_op::NatsConfig { url: self.url(), creds_file: None, ca_file: None, token: None, op_timeout };
         nats_op::Nats::connect(&cfg).await.expect("connect")
     }
 
