@@ -359,6 +359,43 @@ impl Config {
             .with("key_prefix", self.lease.key_prefix.clone())
     }
 
+    /// The values defaults were derived to (shown by `check-config` instead of the rule).
+    #[must_use]
+    pub fn derived(&self) -> Vec<(&'static str, String)> {
+        let lease = match self.lease_backend {
+            LeaseKind::Redis => "redis",
+            LeaseKind::Nats => "nats",
+            LeaseKind::Local => "local",
+        };
+        let store = match self.store {
+            StoreKind::Redis => "redis",
+            StoreKind::Nats => "nats",
+            StoreKind::File => "file",
+            StoreKind::Postgres => "postgres",
+        };
+        vec![("FIREKEEPER_LEASE_BACKEND", lease.to_owned()), ("FIREKEEPER_CURSOR_STORE", store.to_owned())]
+    }
+
+    /// Valid but probably not meant: a store URL the derived backends leave unused.
+    #[must_use]
+    pub fn warnings(&self, vars: &std::collections::HashMap<String, String>) -> Vec<String> {
+        let set = |k: &str| vars.get(k).is_some_and(|v| !v.trim().is_empty());
+        let mut w = Vec::new();
+        if set("NATS_URL")
+            && !set("FIREKEEPER_LEASE_BACKEND")
+            && self.lease_backend == LeaseKind::Redis
+            && self.store != StoreKind::Nats
+            && !matches!(self.sink, SinkKind::Nats(_))
+        {
+            w.push(
+                "NATS_URL is set but unused: REDIS_URL is set too, so the lease and cursors are on Redis; set \
+                 FIREKEEPER_LEASE_BACKEND=nats (or FIREKEEPER_SINK=nats) if NATS was meant"
+                    .to_owned(),
+            );
+        }
+        w
+    }
+
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, ConfigErrors> {
         Self::from_source(&std::env::vars().collect())
@@ -432,6 +469,22 @@ mod tests {
         let e = cfg(&[("RUST_LOG", "info,consumer=loud")]).expect_err("refused");
         assert!(e.to_string().contains("RUST_LOG=\"info,consumer=loud\" is not a log filter"), "{e}");
         assert!(cfg(&[("RUST_LOG", "warn,consumer=debug")]).is_ok());
+    }
+
+    #[test]
+    fn a_nats_url_left_unused_by_a_redis_url_is_warned_about() {
+        let vars = |pairs: &[(&str, &str)]| -> std::collections::HashMap<String, String> {
+            pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+        };
+        let both = [("REDIS_URL", "redis://h"), ("NATS_URL", "nats://n")];
+        let c = cfg(&both).expect("valid");
+        assert_eq!(c.derived()[0], ("FIREKEEPER_LEASE_BACKEND", "redis".to_owned()));
+        let w = c.warnings(&vars(&both));
+        assert!(w.len() == 1 && w[0].starts_with("NATS_URL is set but unused"), "{w:?}");
+        let chosen = [("REDIS_URL", "redis://h"), ("NATS_URL", "nats://n"), ("FIREKEEPER_LEASE_BACKEND", "redis")];
+        assert!(cfg(&chosen).expect("valid").warnings(&vars(&chosen)).is_empty(), "said on purpose");
+        let sink = [("REDIS_URL", "redis://h"), ("NATS_URL", "nats://n"), ("FIREKEEPER_SINK", "nats")];
+        assert!(cfg(&sink).expect("valid").warnings(&vars(&sink)).is_empty(), "NATS used by the sink");
     }
 
     #[test]

@@ -93,11 +93,14 @@ fn check_config(cfg: &Config) -> Result<()> {
     use std::fmt::Write as _;
     let vars = std::env::vars().collect();
     let mut out = format!("configuration ok: {}\n", cfg.summary());
-    for line in settings::effective(&vars) {
+    for line in settings::effective(&vars, &cfg.derived()) {
         let _ = writeln!(out, "  {line}");
     }
     for (set, meant) in settings::lookalikes(&vars) {
         let _ = writeln!(out, "warning: {set} is set but is not a firekeeper setting: did you mean {meant}?");
+    }
+    for w in cfg.warnings(&vars) {
+        let _ = writeln!(out, "warning: {w}");
     }
     if let Some(p) = check_redis(cfg) {
         match p {
@@ -141,6 +144,9 @@ async fn run(cfg: Config) -> Result<()> {
         );
     }
     tracing::info!(config = %cfg.summary(), "starting");
+    for w in cfg.warnings(&std::env::vars().collect()) {
+        tracing::warn!("{w}");
+    }
     match stores::redis_persistence(&cfg).await {
         Some(Ok(fine)) => tracing::info!("{fine}"),
         Some(Err(warning)) => tracing::warn!("{warning}"),

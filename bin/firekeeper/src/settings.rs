@@ -221,8 +221,11 @@ impl Default for Raw {
 /// How a setting's value is shown and parsed.
 #[derive(Debug, Clone, Copy)]
 pub enum Kind {
-    /// A `ws://` or `wss://` relay URL (shown by fingerprint only).
+    /// A `ws://` or `wss://` relay URL (shown without credentials, with its fingerprint).
     Url,
+    /// An `http(s)://` endpoint that is not a secret (shown without credentials; the
+    /// value is never echoed in errors).
+    Endpoint,
     /// Free text.
     Text,
     /// A value that may carry credentials: never shown.
@@ -233,7 +236,8 @@ pub enum Kind {
     Count,
     /// One of a type's words ([`Choice::WORDS`]).
     Choice,
-    /// A conventional variable (`REDIS_URL`, `RUST_LOG`, `OTEL_*`): URLs shown by host only.
+    /// A conventional variable (`REDIS_URL`, `RUST_LOG`, `OTEL_*`): URLs shown without
+    /// credentials.
     External,
 }
 
@@ -405,7 +409,7 @@ pub const SETTINGS: &[Setting] = &[
     choice!("FIREKEEPER_VERIFY", VerifyMode, options.verify.mode, "verify every `#commit` and `#sync` against its repo's key before the sink sees it: `signatures` (the signed commit: CAR root, commit CID, repo, version, low-S ECDSA), `full` (also every block's CID, every op's record, the MST inversion back to `prevData` and the repo's chain; recommended unless you trust the relay) or `off`"),
     choice!("FIREKEEPER_VERIFY_STRICT", bool, options.verify.strict, "with `FIREKEEPER_VERIFY=full`: a commit whose MST inversion cannot complete (a block missing, no `prevData`) is `#invalid` (`mst`) instead of counted in `firekeeper_verify_unproven_total` and delivered"),
     choice!("FIREKEEPER_INVALID", InvalidPolicy, options.verify.invalid, "what an event that fails verification does: `mark` (the sink gets a `#invalid` event at its seq instead, the cursor passes it, the repo is listed as desynchronised) or `fail` (commit everything before it and stop with an error naming it)"),
-    setting!("FIREKEEPER_PLC_URL", Kind::Secret, |r, v| r.options.verify.resolver.plc_url = v.into(), |d| d.options.verify.resolver.plc_url.clone(), "the PLC directory `did:plc` documents are resolved from (`GET <url>/<did>`; `did:web` documents come from `https://<host>/.well-known/did.json`)"),
+    setting!("FIREKEEPER_PLC_URL", Kind::Endpoint, |r, v| r.options.verify.resolver.plc_url = v.into(), |d| d.options.verify.resolver.plc_url.clone(), "the PLC directory `did:plc` documents are resolved from (`GET <url>/<did>`; `did:web` documents come from `https://<host>/.well-known/did.json`)"),
     count!("FIREKEEPER_DID_CACHE_SIZE", 100_000_000, options.verify.resolver.cache_size, "DIDs whose resolved key is kept in memory"),
     millis!("FIREKEEPER_DID_CACHE_TTL_MS", options.verify.resolver.ttl, "how long a resolved DID document is used before it is asked for again (in the background: the old one serves meanwhile); a `#identity` event or a failed signature asks at once"),
     millis!("FIREKEEPER_RESOLVE_TIMEOUT_MS", options.verify.resolve_timeout, "how long a DID that does not resolve for now (directory or `did:web` host down, failing, slow) holds its first event, retried with backoff, before it is `#invalid` with reason `unresolved`; later events of the DID wait only what is left, then are `unresolved` at once for 30 s, after which one look-up asks again; meanwhile the cursor stays before the held event and its lane waits. A definite answer (not found, a document that gives no key) is `unresolved` at once and remembered for 2 minutes"),
@@ -451,7 +455,7 @@ pub fn read(vars: &HashMap<String, String>) -> (Raw, Vec<String>) {
         let Some(v) = value(vars, s.name) else { continue };
         if let Err(e) = (s.apply)(&mut raw, v) {
             errors.push(match s.kind {
-                Kind::Url | Kind::Secret | Kind::External => format!("{}: {e}", s.name),
+                Kind::Url | Kind::Secret | Kind::External | Kind::Endpoint => format!("{}: {e}", s.name),
                 _ => format!("{}={v:?} {e}", s.name),
             });
         }
@@ -529,22 +533,27 @@ pub fn markdown_table() -> String {
     out
 }
 
-/// One line per setting for `check-config`: its value as set (relay URLs by
-/// fingerprint, secrets hidden) or its default.
+/// One line per setting for `check-config`: its value as set (relay URLs without
+/// credentials and with their fingerprint, other URLs as scheme, host and port, secrets
+/// as set or unset) or its effective default: `derived` gives the value a default was
+/// derived to (the lease backend from the URLs set), the rest show their default.
 #[must_use]
-pub fn effective(vars: &HashMap<String, String>) -> Vec<String> {
+pub fn effective(vars: &HashMap<String, String>, derived: &[(&str, String)]) -> Vec<String> {
     SETTINGS
         .iter()
         .map(|s| {
             let shown = match (value(vars, s.name), s.kind) {
-                (None, _) => format!("{} (default)", s.default_cell()),
+                (None, _) => match derived.iter().find(|(n, _)| *n == s.name) {
+                    Some((_, v)) => format!("`{v}` (derived)"),
+                    None => format!("{} (default)", s.default_cell()),
+                },
                 (Some(_), Kind::Secret) => "(set, hidden)".to_owned(),
-                (Some(v), Kind::Url) => RelayUrl::parse(v)
-                    .map_or_else(|_| "(invalid)".to_owned(), |u| format!("fingerprint {}", u.fingerprint())),
-                (Some(v), Kind::External) if s.name.ends_with("_URL") => url::Url::parse(v).map_or_else(
-                    |_| "(set)".to_owned(),
-                    |u| format!("{}://{}", u.scheme(), u.host_str().unwrap_or("")),
+                (Some(v), Kind::Url) => RelayUrl::parse(v).map_or_else(
+                    |_| "(invalid)".to_owned(),
+                    |u| format!("{} (fingerprint {})", u.redacted(), u.fingerprint()),
                 ),
+                (Some(v), Kind::External) if s.name.ends_with("_URL") => shown_url(v),
+                (Some(v), Kind::Endpoint) => shown_url(v),
                 (Some(v), _) => format!("`{v}`"),
             };
             format!("{} = {shown}", s.name)
@@ -552,9 +561,50 @@ pub fn effective(vars: &HashMap<String, String>) -> Vec<String> {
         .collect()
 }
 
+/// A store or collector URL as scheme, host, port (the scheme's default when none is
+/// given) and path, without user or password.
+fn shown_url(v: &str) -> String {
+    let Ok(u) = url::Url::parse(v.trim()) else { return "(set, not a URL)".to_owned() };
+    let port = u.port().or_else(|| match u.scheme() {
+        "redis" | "rediss" => Some(6379),
+        "nats" | "tls" => Some(4222),
+        "postgres" | "postgresql" => Some(5432),
+        other => url::Url::parse(&format!("{other}://x")).ok().and_then(|d| d.port_or_known_default()),
+    });
+    let creds = if u.username().is_empty() && u.password().is_none() { "" } else { " (credentials set, hidden)" };
+    let port = port.map(|p| format!(":{p}")).unwrap_or_default();
+    let path = if u.path() == "/" { "" } else { u.path() };
+    format!("{}://{}{port}{path}{creds}", u.scheme(), u.host_str().unwrap_or(""))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn effective_values_show_urls_with_ports_and_derived_defaults() {
+        let vars: HashMap<String, String> = [
+            ("REDIS_URL", "redis://:hunter2@10.0.0.5:6380/2"),
+            ("NATS_URL", "nats://10.0.0.6"),
+            ("DATABASE_URL", "postgres://fk:s3cret@db.internal/firekeeper"),
+            ("FIREKEEPER_RELAY", "wss://user:pw@relay.example:8443/"),
+        ]
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+        let lines = effective(&vars, &[("FIREKEEPER_LEASE_BACKEND", "redis".into())]);
+        let find = |name: &str| lines.iter().find(|l| l.starts_with(&format!("{name} ="))).cloned().unwrap_or_default();
+        assert_eq!(find("REDIS_URL"), "REDIS_URL = redis://10.0.0.5:6380/2 (credentials set, hidden)");
+        assert_eq!(find("NATS_URL"), "NATS_URL = nats://10.0.0.6:4222");
+        assert_eq!(
+            find("DATABASE_URL"),
+            "DATABASE_URL = postgres://db.internal:5432/firekeeper (credentials set, hidden)"
+        );
+        assert!(find("FIREKEEPER_RELAY").starts_with("FIREKEEPER_RELAY = wss://***@relay.example:8443/ (fingerprint "));
+        assert_eq!(find("FIREKEEPER_LEASE_BACKEND"), "FIREKEEPER_LEASE_BACKEND = `redis` (derived)");
+        let all = lines.join("\n");
+        assert!(!all.contains("hunter2") && !all.contains("s3cret") && !all.contains(":pw@"), "{all}");
+    }
 
     #[test]
     fn the_readme_table_is_the_settings_list() {
@@ -597,7 +647,7 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
-        let lines = effective(&vars).join("\n");
+        let lines = effective(&vars, &[]).join("\n");
         assert!(!lines.contains("hunter2"), "{lines}");
         assert!(lines.contains("FIREKEEPER_LANES = `8`"), "{lines}");
         assert!(lines.contains("FIREKEEPER_QUEUE_DEPTH = `1024` (default)"), "{lines}");
