@@ -80,7 +80,16 @@ fn colour(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> boo
 /// Every metric is registered (at zero) so that `/metrics`, dashboards and alert rules
 /// see each name before its first event.
 pub fn metrics() -> Result<PrometheusHandle> {
-    let handle = PrometheusBuilder::new().install_recorder().context("installing the metrics recorder")?;
+    // Durations are histograms with buckets (aggregatable across replicas, `histogram_quantile`),
+    // not the exporter's default summary: from 1 ms to the longest sane op timeout.
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
+        )
+        .context("histogram buckets")?
+        .install_recorder()
+        .context("installing the metrics recorder")?;
     consumer::metrics::register(consumer::metrics::ALL);
     consumer::metrics::register(lease::metrics::ALL);
     consumer::metrics::announce_build();

@@ -283,7 +283,9 @@ async fn metrics_and_status_are_scraped_while_leading() {
     assert_eq!(code, 200);
     // The committed-seq gauge follows the status at the next tick.
     let deadline = Instant::now() + WAIT;
-    while !metrics.contains("firekeeper_committed_seq 1476") && Instant::now() < deadline {
+    let renewed = "firekeeper_lease_renew_seconds_bucket{le=\"0.005\"}";
+    while !(metrics.contains("firekeeper_committed_seq 1476") && metrics.contains(renewed)) && Instant::now() < deadline
+    {
         tokio::time::sleep(Duration::from_millis(100)).await;
         metrics = http_get(&addr, "/metrics").await.expect("metrics").1;
     }
@@ -294,6 +296,8 @@ async fn metrics_and_status_are_scraped_while_leading() {
         "firekeeper_uncommitted_seq 0",
         "firekeeper_committed_seq 1476",
         "firekeeper_relay_connected 1",
+        "# TYPE firekeeper_lease_renew_seconds histogram",
+        renewed,
         concat!("firekeeper_build_info{version=\"", env!("CARGO_PKG_VERSION"), "\"} 1"),
     ] {
         assert!(metrics.contains(m), "{m} missing from /metrics:\n{metrics}");
