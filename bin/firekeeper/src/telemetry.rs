@@ -96,17 +96,19 @@ pub fn metrics() -> Result<PrometheusHandle> {
     Ok(handle)
 }
 
-/// One summary every `every`: role, relay, events/s, lag and cursor; in text log mode a
+/// One summary every `every`: role, relay, events/s the sink took and events/s read from
+/// the relay (they differ while the sink falls behind or fails), lag and cursor; in text log mode a
 /// human line on stderr (`make run` shows it beside the JSON lines on stdout), in JSON
 /// mode a log line with those fields.
 pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Duration, json: bool) {
     let mut tick = tokio::time::interval(every);
     tick.tick().await;
-    let mut last = status.events();
+    let mut last = (status.events(), status.written());
     loop {
         tick.tick().await;
-        let now = status.events();
-        let rate = (now - last) as f64 / every.as_secs_f64();
+        let now = (status.events(), status.written());
+        let per_s = |n: u64| n as f64 / every.as_secs_f64();
+        let (received, written) = (per_s(now.0 - last.0), per_s(now.1 - last.1));
         last = now;
         let s = status.snapshot();
         let token = s.token.map_or_else(String::new, |t| format!(" token {t}"));
@@ -119,7 +121,8 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
                 token = s.token,
                 relay = s.relay.map(relay_client::RelayRole::as_str),
                 connected = s.connected,
-                events_per_second = rate.round(),
+                written_per_second = written.round(),
+                received_per_second = received.round(),
                 lag_seconds = s.lag_seconds,
                 committed = s.committed,
                 "summary"
@@ -128,7 +131,10 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
         }
         let lag = s.lag_seconds.map_or_else(|| "-".to_owned(), |l| format!("{l:.1} s"));
         let cursor = s.committed.map_or_else(|| "none".to_owned(), |c| c.to_string());
-        eprintln!("firekeeper: {}{token}{relay} · {rate:.0} events/s · lag {lag} · cursor {cursor}", s.role.as_str());
+        eprintln!(
+            "firekeeper: {}{token}{relay} · {written:.0} events/s written ({received:.0}/s received) · lag {lag} · cursor {cursor}",
+            s.role.as_str()
+        );
     }
 }
 

@@ -283,3 +283,48 @@ async fn text_logs_get_a_human_summary_line() {
     }
     assert!(sigterm_and_wait(child).success());
 }
+
+/// The summary says what the sink took, not what was read: with a webhook that answers
+/// every POST with 500, the JSON summary shows events received from the relay and none
+/// written (it used to show the intake's rate as "events/s", a failing sink looked busy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_summary_counts_what_the_sink_took_not_what_was_read() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let hook = format!("http://{}/", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt as _;
+                let mut pending = Vec::new();
+                while testkit::http::read_request(&mut s, &mut pending).await.is_some() {
+                    let no = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n";
+                    if s.write_all(no).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let relay = sim(Some(200)).await;
+    let dir = tmpdir("summary-sink");
+    let mut env = base_env(&relay.url(), &dir);
+    for (k, v) in
+        [("FIREKEEPER_SINK", "webhook"), ("FIREKEEPER_WEBHOOK_URL", hook.as_str()), ("FIREKEEPER_START", "oldest")]
+    {
+        env.insert(k.into(), v.into());
+    }
+    let mut child = firekeeper(&env, &[], &dir.join("fk.log"));
+    let summary = || {
+        std::fs::read_to_string(dir.join("fk.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["fields"]["message"] == "summary" && v["fields"]["role"] == "leader")
+    };
+    eventually("a leader's summary", WAIT, async || summary().is_some()).await;
+    let s = summary().expect("summary");
+    assert_eq!(s["fields"]["written_per_second"], 0.0, "{s}");
+    assert!(s["fields"]["received_per_second"].as_f64().is_some_and(|r| r > 0.0), "{s}");
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -373,6 +373,7 @@ impl Lane {
             Ok(()) => {
                 self.failures.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.status.sink_ok();
+                self.status.add_written(f.batch.len());
                 f.seqs.extend(f.batch.iter().map(Event::seq));
                 let _ = done.send(Ok(f.seqs));
                 true

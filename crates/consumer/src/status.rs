@@ -119,6 +119,7 @@ struct Inner {
     status: watch::Sender<Status>,
     term: Mutex<Option<Term>>,
     events: AtomicU64,
+    written: AtomicU64,
     ready: AtomicBool,
     refused: AtomicBool,
     sink_failing: AtomicBool,
@@ -135,6 +136,7 @@ impl Default for StatusHandle {
             status: watch::Sender::new(Status::default()),
             term: Mutex::new(None),
             events: AtomicU64::new(0),
+            written: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             refused: AtomicBool::new(false),
             sink_failing: AtomicBool::new(false),
@@ -285,10 +287,20 @@ impl StatusHandle {
         self.0.desync.clone()
     }
 
-    /// Events handed to the handler by this process.
+    /// Events read from the relay and handed to the lanes by this process.
     #[must_use]
     pub fn events(&self) -> u64 {
         self.0.events.load(Ordering::Relaxed)
+    }
+
+    /// Events the sink took (its write succeeded) in this process.
+    #[must_use]
+    pub fn written(&self) -> u64 {
+        self.0.written.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add_written(&self, n: usize) {
+        self.0.written.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     pub(crate) fn update(&self, f: impl FnOnce(&mut Status)) {
