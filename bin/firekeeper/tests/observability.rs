@@ -232,11 +232,46 @@ async fn a_lease_store_that_refuses_or_is_down_is_not_ready() {
     let _ = child.wait();
 }
 
+/// A store that can be taken down and brought back: each scenario below is written once
+/// and run on every store.
+trait Downable {
+    fn kind(&self) -> &'static str;
+    fn down(&mut self);
+    fn up(&mut self);
+}
+
+impl<T: testkit::cluster::StoreServer> Downable for T {
+    fn kind(&self) -> &'static str {
+        testkit::cluster::StoreServer::kind(self)
+    }
+    fn down(&mut self) {
+        self.kill();
+    }
+    fn up(&mut self) {
+        self.restart();
+    }
+}
+
+/// Postgres as the cursor store (the lease on Redis, which stays up).
+struct PgStore(testkit::PgServer);
+
+impl Downable for PgStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+    fn down(&mut self) {
+        self.0.kill();
+    }
+    fn up(&mut self) {
+        self.0.restart();
+    }
+}
+
 /// The store (lease and cursors) is down when a replica starts, then comes up: the
 /// replica waits, not ready and saying why, and is ready once the store answers. One
-/// scenario, run on Redis and on NATS (a NATS store down at start had made the process
+/// scenario, run on Redis, NATS and Postgres (a NATS store down at start had made the process
 /// exit 1 while a Redis one was waited for).
-async fn a_store_down_at_start_is_waited_for(var: &str, url: &str, mut server: impl testkit::cluster::StoreServer) {
+async fn a_store_down_at_start_is_waited_for(vars: &[(&str, String)], mut server: impl Downable) {
     let relay = sim(None).await;
     let dir = tmpdir(&format!("{}-down", server.kind()));
     let mut env = base_env(&relay.url(), &dir);
@@ -244,8 +279,10 @@ async fn a_store_down_at_start_is_waited_for(var: &str, url: &str, mut server: i
     env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
     env.insert("FIREKEEPER_SINK".into(), "null".into());
     env.insert("FIREKEEPER_START".into(), "oldest".into());
-    env.insert(var.into(), url.into());
-    server.kill();
+    for (k, v) in vars {
+        env.insert((*k).into(), v.clone());
+    }
+    server.down();
     let mut child = firekeeper(&env, &[], &dir.join("down.log"));
     let readyz = async || http_get(&http, "/readyz").await;
     eventually("not ready while the store is down, saying why", WAIT, async || {
@@ -253,7 +290,7 @@ async fn a_store_down_at_start_is_waited_for(var: &str, url: &str, mut server: i
     })
     .await;
     assert!(child.try_wait().expect("wait").is_none(), "the replica waits for the store instead of exiting");
-    server.restart();
+    server.up();
     eventually("ready once the store answers", WAIT, async || readyz().await.is_some_and(|(code, _)| code == 200))
         .await;
     let _ = child.kill();
@@ -263,13 +300,24 @@ async fn a_store_down_at_start_is_waited_for(var: &str, url: &str, mut server: i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_down_at_start_is_waited_for() {
     let redis = testkit::RedisServer::start();
-    a_store_down_at_start_is_waited_for("REDIS_URL", &redis.url(), redis).await;
+    a_store_down_at_start_is_waited_for(&[("REDIS_URL", redis.url())], redis).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_down_at_start_is_waited_for() {
     let nats = testkit::NatsServer::start();
-    a_store_down_at_start_is_waited_for("NATS_URL", &nats.url(), nats).await;
+    a_store_down_at_start_is_waited_for(&[("NATS_URL", nats.url())], nats).await;
+}
+
+/// The Postgres cursor store down at start made the process exit 1 (it connected and
+/// migrated before anything else); now the first use connects and migrates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_down_at_start_is_waited_for() {
+    let redis = testkit::RedisServer::start();
+    let pg = testkit::PgServer::start();
+    let vars =
+        [("REDIS_URL", redis.url()), ("FIREKEEPER_CURSOR_STORE", "postgres".to_owned()), ("DATABASE_URL", pg.url())];
+    a_store_down_at_start_is_waited_for(&vars, PgStore(pg)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -34,6 +34,8 @@ pub struct PgConn {
     url: String,
     connect_timeout: Duration,
     client: tokio::sync::Mutex<Option<Client>>,
+    /// The schema change still to apply (before the first use of the first connection).
+    migration: std::sync::Mutex<Option<String>>,
     /// How many times a broken connection was made again.
     reconnects: std::sync::atomic::AtomicU64,
 }
@@ -83,29 +85,48 @@ async fn open(url: &str, timeout: Duration) -> Result<Client, StoreError> {
 }
 
 impl PgConn {
-    /// Connects (`DATABASE_URL` form) and applies `migration`.
+    /// Connects (`DATABASE_URL` form) and applies `migration`. A server that cannot be
+    /// used now (down, refusing the credentials, the schema change failing) is not an
+    /// error here: the first use connects and applies the migration then, and fails
+    /// until it can, so the caller waits for Postgres as for any store (not ready, the
+    /// reason named). A URL that cannot be a connection string is an error.
     pub async fn connect(url: &str, connect_timeout: Duration, migration: &str) -> Result<Self, StoreError> {
-        let client = open(url, connect_timeout).await?;
-        within(connect_timeout.max(Duration::from_secs(30)), async {
-            migrate(&client, migration).await.map_err(|e| pg(&e))
-        })
-        .await?;
-        Ok(Self {
+        url.parse::<tokio_postgres::Config>()
+            .map_err(|e| StoreError::Protocol(format!("DATABASE_URL is not a Postgres connection string: {e}")))?;
+        let conn = Self {
             url: url.to_owned(),
             connect_timeout,
-            client: tokio::sync::Mutex::new(Some(client)),
+            client: tokio::sync::Mutex::new(None),
+            migration: std::sync::Mutex::new(Some(migration.to_owned())),
             reconnects: std::sync::atomic::AtomicU64::new(0),
-        })
+        };
+        if let Err(e) = conn.client().await {
+            tracing::warn!(error = %e, "cannot use Postgres at start; connecting again on each use until it answers");
+        }
+        Ok(conn)
     }
 
-    /// The live client, connecting again first if the last one broke.
+    /// The live client, connecting again first if the last one broke (and applying the
+    /// migration the first time one connects).
     pub async fn client(&self) -> Result<PgClient<'_>, StoreError> {
         let mut g = self.client.lock().await;
         if g.as_ref().is_none_or(Client::is_closed) {
-            *g = None;
+            let had = g.take().is_some();
             let c = open(&self.url, self.connect_timeout).await?;
-            let n = self.reconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-            tracing::info!(reconnects = n, "postgres connection made again");
+            let pending = self.migration.lock().ok().and_then(|m| m.clone());
+            if let Some(sql) = pending {
+                within(self.connect_timeout.max(Duration::from_secs(30)), async {
+                    migrate(&c, &sql).await.map_err(|e| pg(&e))
+                })
+                .await?;
+                if let Ok(mut m) = self.migration.lock() {
+                    *m = None;
+                }
+            }
+            if had {
+                let n = self.reconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                tracing::info!(reconnects = n, "postgres connection made again");
+            }
             *g = Some(c);
         }
         Ok(PgClient(g))
@@ -119,8 +140,12 @@ impl PgConn {
 }
 
 fn pg(e: &tokio_postgres::Error) -> StoreError {
-    // The error's Display never includes the connection string.
-    StoreError::Unavailable(e.to_string())
+    // Neither the error's Display nor its cause includes the connection string; the
+    // cause says what the server or the socket said ("password authentication failed").
+    match std::error::Error::source(e) {
+        Some(cause) => StoreError::Unavailable(format!("{e}: {cause}")),
+        None => StoreError::Unavailable(e.to_string()),
+    }
 }
 
 fn as_i64(v: u64) -> i64 {
