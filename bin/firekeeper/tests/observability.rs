@@ -193,43 +193,62 @@ async fn an_unreachable_lease_store_is_named_by_address_and_cause() {
     assert!(!text.contains("s3cret"), "no password in logs");
 }
 
-/// A wrong Redis password is not a healthy standby: `/readyz` answers 503 with the
-/// reason, the failures are counted, and the log says it once (then once a minute).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_store_that_refuses_or_is_down_is_not_ready() {
-    let redis = testkit::RedisServer::start_with(&["--requirepass", "right"]);
+/// Credentials the store refuses are not a healthy standby: `/readyz` answers 503 with
+/// the reason and its cause, without the secret, and the log says it once (then once a
+/// minute). Written once, run on Redis (a wrong password: the lease store refuses, which
+/// is also counted and shown in `/status`) and NATS (a wrong token: the start waits on
+/// the store, and the client's "authorization violation" is the cause named).
+async fn refused_credentials_are_not_ready(var: &str, url: &str, secret: &str, cause: &str, lease_refuses: bool) {
     let relay = sim(None).await;
-    let dir = tmpdir("refused");
+    let dir = tmpdir(&format!("refused-{}", var.to_lowercase()));
     let mut env = base_env(&relay.url(), &dir);
     let http = format!("127.0.0.1:{}", free_port());
     env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
     env.insert("FIREKEEPER_SINK".into(), "null".into());
     env.insert("FIREKEEPER_START".into(), "oldest".into());
-    env.insert("REDIS_URL".into(), format!("redis://:wrong@{}", redis.addr()));
+    env.insert(var.into(), url.into());
     let mut child = firekeeper(&env, &[], &dir.join("wrong.log"));
     let readyz = async || http_get(&http, "/readyz").await;
-    eventually("/readyz to say why it is not ready", WAIT, async || {
-        readyz().await.is_some_and(|(code, body)| code == 503 && body.contains("cannot use the lease store"))
+    eventually("/readyz to say why it is not ready, with the cause", WAIT, async || {
+        readyz().await.is_some_and(|(code, body)| code == 503 && body.to_lowercase().contains(cause))
     })
     .await;
     let (_, body) = readyz().await.expect("readyz");
-    assert!(body.to_lowercase().contains("authentication"), "the cause is named: {body}");
-    assert!(!body.contains("wrong@"), "no password: {body}");
-    let (_, metrics) = http_get(&http, "/metrics").await.expect("metrics");
-    let failures: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("firekeeper_lease_store_errors_total{kind=\"unavailable\"} "))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    assert!(failures >= 1.0, "counted:\n{metrics}");
-    let status: serde_json::Value =
-        serde_json::from_str(&http_get(&http, "/status").await.expect("status").1).expect("json");
-    assert!(status["lease_store_error"].is_string(), "{status}");
+    assert!(!body.contains(secret), "no secret: {body}");
+    if lease_refuses {
+        assert!(body.contains("cannot use the lease store"), "{body}");
+        let (_, metrics) = http_get(&http, "/metrics").await.expect("metrics");
+        let failures: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("firekeeper_lease_store_errors_total{kind=\"unavailable\"} "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        assert!(failures >= 1.0, "counted:\n{metrics}");
+        let status: serde_json::Value =
+            serde_json::from_str(&http_get(&http, "/status").await.expect("status").1).expect("json");
+        assert!(status["lease_store_error"].is_string(), "{status}");
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let log = std::fs::read_to_string(dir.join("wrong.log")).unwrap_or_default();
-    assert_eq!(log.matches("cannot use the lease store").count(), 1, "said once, not every poll:\n{log}");
+    let said = if lease_refuses { "cannot use the lease store" } else { "cannot seed the lease fence" };
+    assert_eq!(log.matches(said).count(), 1, "said once, not every poll:\n{log}");
+    assert!(!log.contains(secret), "no secret in the log");
     let _ = child.kill();
     let _ = child.wait();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_redis_password_is_not_ready() {
+    let redis = testkit::RedisServer::start_with(&["--requirepass", "right"]);
+    let url = format!("redis://:wr0ngpw@{}", redis.addr());
+    refused_credentials_are_not_ready("REDIS_URL", &url, "wr0ngpw", "authentication", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_nats_token_is_not_ready() {
+    let nats = testkit::NatsServer::start_with(&["--auth", "r1ghttoken"]);
+    let url = format!("nats://wr0ngtoken@{}", nats.addr());
+    refused_credentials_are_not_ready("NATS_URL", &url, "wr0ngtoken", "authorization", false).await;
 }
 
 /// A store that can be taken down and brought back: each scenario below is written once

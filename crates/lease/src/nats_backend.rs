@@ -49,7 +49,7 @@ pub fn state_bucket(prefix: &str) -> String {
 impl From<NatsError> for BackendError {
     fn from(e: NatsError) -> Self {
         match e {
-            NatsError::Timeout { after, .. } => Self::Timeout(after),
+            NatsError::Timeout { after, cause: None, .. } => Self::Timeout(after),
             other => Self::Unavailable(other.to_string()),
         }
     }

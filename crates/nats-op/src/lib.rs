@@ -21,7 +21,7 @@ use tokio::sync::Mutex;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NatsError {
     /// The operation did not finish in time; the connection is being replaced.
-    #[error("NATS {addr}: {what} timed out after {after:?}")]
+    #[error("NATS {addr}: {what} timed out after {after:?}{}", .cause.as_ref().map(|c| format!(" ({c})")).unwrap_or_default())]
     Timeout {
         /// The operation.
         what: &'static str,
@@ -29,6 +29,9 @@ pub enum NatsError {
         addr: String,
         /// The bound.
         after: Duration,
+        /// Why the connection is not up, when the client said so (the server refused the
+        /// credentials, a TLS handshake failed): the likely reason nothing answered.
+        cause: Option<String>,
     },
     /// The server could not be reached or refused the operation.
     #[error("NATS {addr}: {what} failed: {detail}")]
@@ -96,6 +99,8 @@ pub struct Nats {
     js: jetstream::Context,
     op_timeout: Duration,
     addr: String,
+    /// The client's last connection trouble (cleared when it connects).
+    trouble: std::sync::Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl std::fmt::Debug for Nats {
@@ -130,12 +135,31 @@ impl Nats {
                 .map_err(|e| NatsError::Config(format!("NATS_CREDS {}: {e}", path.display())))?;
         }
         let logged = addr.clone();
+        let trouble: std::sync::Arc<std::sync::Mutex<Option<String>>> = std::sync::Arc::default();
+        let noted = trouble.clone();
         opts = opts.event_callback(move |ev| {
             let addr = logged.clone();
+            let noted = noted.clone();
             async move {
+                let note = |t: Option<String>| {
+                    if let Ok(mut n) = noted.lock() {
+                        *n = t;
+                    }
+                };
                 match ev {
-                    async_nats::Event::Connected => tracing::info!(nats = %addr, "NATS connected"),
+                    async_nats::Event::Connected => {
+                        note(None);
+                        tracing::info!(nats = %addr, "NATS connected");
+                    }
                     async_nats::Event::Disconnected => tracing::warn!(nats = %addr, "NATS disconnected"),
+                    async_nats::Event::ServerError(e) => {
+                        note(Some(format!("the server said: {e}")));
+                        tracing::debug!(nats = %addr, error = %e, "NATS server error");
+                    }
+                    async_nats::Event::ClientError(e) => {
+                        note(Some(format!("connecting: {e}")));
+                        tracing::debug!(nats = %addr, error = %e, "NATS client error");
+                    }
                     other => tracing::debug!(nats = %addr, event = %other, "NATS event"),
                 }
             }
@@ -147,7 +171,7 @@ impl Nats {
             detail: e.kind().to_string(),
         })?;
         let js = jetstream::new(client.clone());
-        Ok(Self { client, js, op_timeout: cfg.op_timeout, addr })
+        Ok(Self { client, js, op_timeout: cfg.op_timeout, addr, trouble })
     }
 
     /// The redacted address.
@@ -184,6 +208,15 @@ impl Nats {
         self.bounded_for(what, self.op_timeout, f).await
     }
 
+    /// An error's text, with the client's connection trouble when there is one (a request
+    /// that failed because the client is not connected says only "timed out").
+    fn detail(&self, e: &dyn Display) -> String {
+        match self.trouble.lock().ok().and_then(|t| t.clone()) {
+            Some(t) => format!("{e} ({t})"),
+            None => e.to_string(),
+        }
+    }
+
     /// The error of an operation that outlived `after`; the connection may be half-open,
     /// so it is replaced in the background.
     fn timed_out(&self, what: &'static str, after: Duration) -> NatsError {
@@ -191,7 +224,8 @@ impl Nats {
         tokio::spawn(async move {
             let _ = c.force_reconnect().await;
         });
-        NatsError::Timeout { what, addr: self.addr.clone(), after }
+        let cause = self.trouble.lock().ok().and_then(|t| t.clone());
+        NatsError::Timeout { what, addr: self.addr.clone(), after, cause }
     }
 
     /// [`Nats::bounded`] with its own bound.
@@ -203,7 +237,7 @@ impl Nats {
     ) -> Result<T, NatsError> {
         match tokio::time::timeout(after, f).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(NatsError::Unavailable { what, addr: self.addr.clone(), detail: e.to_string() }),
+            Ok(Err(e)) => Err(NatsError::Unavailable { what, addr: self.addr.clone(), detail: self.detail(&e) }),
             Err(_) => Err(self.timed_out(what, after)),
         }
     }
@@ -393,7 +427,7 @@ impl Bucket {
             f(st).await.map_err(|e| NatsError::Unavailable {
                 what,
                 addr: self.nats.addr.clone(),
-                detail: e.to_string(),
+                detail: self.nats.detail(&e),
             })
         };
         // Boxed: the client's futures are large, and every caller would carry them.

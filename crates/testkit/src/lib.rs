@@ -449,8 +449,8 @@ pub struct NatsServer {
     port: u16,
     dir: std::path::PathBuf,
     child: ServerProc,
-    /// `--tls …` arguments: the server then requires TLS.
-    tls: Vec<String>,
+    /// Extra `nats-server` arguments (`--tls …`, `--auth …`).
+    extra: Vec<String>,
 }
 
 fn nats_bin() -> std::path::PathBuf {
@@ -465,7 +465,14 @@ impl NatsServer {
     /// Starts a fresh server with JetStream on a free port and waits until it answers.
     #[must_use]
     pub fn start() -> Self {
-        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default(), tls: Vec::new() };
+        Self::start_with(&[])
+    }
+
+    /// Starts with extra `nats-server` arguments (e.g. `--auth <token>`).
+    #[must_use]
+    pub fn start_with(extra: &[&str]) -> Self {
+        let extra = extra.iter().map(|a| (*a).to_owned()).collect();
+        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default(), extra };
         s.spawn();
         s
     }
@@ -475,17 +482,14 @@ impl NatsServer {
     #[must_use]
     pub fn start_tls(ca: &TestCa) -> Self {
         let file = |f: &str| ca.dir.join(f).to_string_lossy().into_owned();
-        let tls = vec!["--tls".into(), "--tlscert".into(), file("server.pem"), "--tlskey".into(), file("server.key")];
-        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default(), tls };
-        s.spawn();
-        s
+        Self::start_with(&["--tls", "--tlscert", &file("server.pem"), "--tlskey", &file("server.key")])
     }
 
     fn spawn(&mut self) {
         let child = Command::new(nats_bin())
             .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(&self.dir)
-            .args(&self.tls)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
