@@ -356,7 +356,7 @@ fn relay(v: &str) -> Result<Option<RelayUrl>, String> {
 /// Every setting firekeeper reads, one per line: variable, where it goes, default, help.
 #[rustfmt::skip]
 pub const SETTINGS: &[Setting] = &[
-    setting!("FIREKEEPER_RELAY", Kind::Url, |r, v| r.relay = relay(v)?, |_d| "wss://bsky.network".into(), "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added)"),
+    setting!("FIREKEEPER_RELAY", Kind::Url, |r, v| r.relay = relay(v)?, |_d| "wss://bsky.network".into(), "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added; a query string or fragment is refused: the cursor is the only parameter). Its fingerprint (scheme, lower-case host, port, path) keys its cursor: `localhost` and `127.0.0.1` are different relays"),
     setting!("FIREKEEPER_RELAY_SECONDARY", Kind::Url, |r, v| r.relay_secondary = relay(v)?, shown "none", "secondary relay; used after repeated primary failures, with failback probing"),
     text!("REDIS_URL", Kind::External, redis_url, "none", "enables the Redis lease and (by default) the Redis cursor store; `rediss://` connects over TLS, verified against the system's roots or `FIREKEEPER_REDIS_CA_FILE`"),
     text!("FIREKEEPER_REDIS_CA_FILE", Kind::Text, redis_ca_file, "the system's roots", "PEM file of the CA certificates a `rediss://` Redis is verified against instead of the system's roots (a private CA, a managed service's own CA)"),
