@@ -395,3 +395,54 @@ async fn the_summary_counts_what_the_sink_took_not_what_was_read() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A standby whose cursor store (Postgres, beside a Redis lease) stops answering could not
+/// lead: it is not ready and says why, and ready again once the store answers. It used
+/// to stay ready: only the lease store was watched while standing by.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_whose_cursor_store_is_down_is_not_ready() {
+    let redis = testkit::RedisServer::start();
+    let mut pg = testkit::PgServer::start();
+    let relay = sim(None).await;
+    let dir = tmpdir("standby-store");
+    let replica = |name: &str| {
+        let mut env = base_env(&relay.url(), &dir.join(name));
+        let http = format!("127.0.0.1:{}", free_port());
+        for (k, v) in [
+            ("REDIS_URL", redis.url()),
+            ("FIREKEEPER_CURSOR_STORE", "postgres".into()),
+            ("DATABASE_URL", pg.url()),
+            ("FIREKEEPER_HTTP_ADDR", http.clone()),
+            ("FIREKEEPER_SINK", "null".into()),
+            ("FIREKEEPER_START", "oldest".into()),
+        ] {
+            env.insert(k.into(), v);
+        }
+        (firekeeper(&env, &[], &dir.join(format!("{name}.log"))), http)
+    };
+    let role = async |http: &str| {
+        let body = http_get(http, "/status").await.map(|r| r.1).unwrap_or_default();
+        serde_json::from_str::<serde_json::Value>(&body).map(|v| v["role"].clone()).unwrap_or_default()
+    };
+    let (mut a, a_http) = replica("a");
+    eventually("a leads", WAIT, async || role(&a_http).await == "leader").await;
+    let (mut b, b_http) = replica("b");
+    eventually("b stands by, ready", WAIT, async || {
+        role(&b_http).await == "standby" && http_get(&b_http, "/readyz").await.is_some_and(|(c, _)| c == 200)
+    })
+    .await;
+    pg.kill();
+    eventually("b is not ready, naming the cursor store", WAIT, async || {
+        http_get(&b_http, "/readyz")
+            .await
+            .is_some_and(|(code, body)| code == 503 && body.contains("cannot use the cursor store"))
+    })
+    .await;
+    pg.restart();
+    eventually("b is ready again", WAIT, async || http_get(&b_http, "/readyz").await.is_some_and(|(c, _)| c == 200))
+        .await;
+    for p in [&mut a, &mut b] {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+}

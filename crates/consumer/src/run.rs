@@ -83,20 +83,7 @@ impl Consumer {
         // this process, once leading, resumes where the last leader committed.
         let remembered: Arc<Remembered> =
             Arc::new(std::sync::Mutex::new(recollection.cursors.iter().map(|(k, v)| (k.clone(), *v)).collect()));
-        let follower = {
-            let (store, m) = (store.clone(), remembered.clone());
-            tokio::spawn(async move {
-                store
-                    .follow_commits(Box::new(move |fp, cursor, reset| {
-                        if let Ok(mut m) = m.lock() {
-                            let e = m.entry(fp.to_owned()).or_insert(cursor);
-                            // A fenced rewind replaces; anything else only moves forward.
-                            *e = if reset { cursor } else { (*e).max(cursor) };
-                        }
-                    }))
-                    .await;
-            })
-        };
+        let follower = tokio::spawn(follow(store.clone(), remembered.clone()));
         let stop = CancellationToken::new();
         let render = handler.wants_json().then(|| {
             Arc::new(Render {
@@ -130,17 +117,22 @@ impl Consumer {
         };
         let r = {
             let mut lead = pin!(lead_loop(&cx, events));
-            let mut keeper = pin!(keep_shadow(shadow.as_ref(), &handle, &remembered, recollection.clone()));
-            let mut record =
-                pin!(deployment::keep(&*backend_for_record, &settings.deployment, policy, &handle, &status, found));
+            // What runs beside the terms for the life of the process: the shadow file, the
+            // settings record, the standby's look at its cursor store.
+            let mut beside = pin!(async {
+                tokio::select! {
+                    n = keep_shadow(shadow.as_ref(), &handle, &remembered, recollection.clone()) => n,
+                    n = deployment::keep(&*backend_for_record, &settings.deployment, policy, &handle, &status, found) => n,
+                    n = watch_store(&*store, settings.primary.fingerprint(), &handle, &status) => n,
+                }
+            });
             tokio::select! {
                 r = &mut lead => r,
                 () = &mut shutdown => {
                     stop.cancel();
                     lead.await
                 }
-                never = &mut keeper => match never {},
-                never = &mut record => match never {},
+                never = &mut beside => match never {},
             }
         };
         if let Some(s) = &shadow {
@@ -152,6 +144,19 @@ impl Consumer {
         handle.join().await;
         r
     }
+}
+
+/// Follows every replica's commits into `m` until aborted (see `follow_commits`).
+async fn follow(store: Arc<dyn CursorStore>, m: Arc<Remembered>) {
+    store
+        .follow_commits(Box::new(move |fp, cursor, reset| {
+            if let Ok(mut m) = m.lock() {
+                let e = m.entry(fp.to_owned()).or_insert(cursor);
+                // A fenced rewind replaces; anything else only moves forward.
+                *e = if reset { cursor } else { (*e).max(cursor) };
+            }
+        }))
+        .await;
 }
 
 /// Raises the lease fence to what the cursor store has seen (tokens stay above it even if
@@ -258,6 +263,46 @@ async fn keep_shadow(
             }
         }
     }
+}
+
+/// While standing by, reads the primary relay's cursor every 5 s: a cursor store that
+/// does not answer (down, refusing the credentials) means this replica could not lead, so
+/// it is not ready, named on `/readyz`, and logged at once and then once a minute. The
+/// lease store is watched by the supervisor; this covers a cursor store of its own
+/// (Postgres beside a Redis lease). A leader's commits report their own trouble.
+async fn watch_store(
+    store: &dyn CursorStore,
+    fingerprint: &str,
+    lease: &LeaseHandle,
+    status: &StatusHandle,
+) -> std::convert::Infallible {
+    let mut warned: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        if !matches!(lease.status(), lease::Status::Standby) {
+            status.store_trouble(None);
+            continue;
+        }
+        match tokio::time::timeout(std::time::Duration::from_secs(5), store.read(fingerprint)).await {
+            Ok(Ok(_)) => {
+                if warned.take().is_some() {
+                    tracing::info!(store = store.name(), "the cursor store answers again");
+                }
+                status.store_trouble(None);
+            }
+            Ok(Err(e)) => trouble(store, &e.to_string(), &mut warned, status),
+            Err(_) => trouble(store, "no answer within 5 s", &mut warned, status),
+        }
+    }
+}
+
+/// A standby's cursor store failed: not ready, logged once a minute.
+fn trouble(store: &dyn CursorStore, e: &str, warned: &mut Option<tokio::time::Instant>, status: &StatusHandle) {
+    if warned.is_none_or(|w| w.elapsed() >= std::time::Duration::from_mins(1)) {
+        tracing::warn!(store = store.name(), error = %e, "cannot use the cursor store: this replica could not lead (not ready); checking every 5 s, logged once a minute");
+        *warned = Some(tokio::time::Instant::now());
+    }
+    status.store_trouble(Some(e.to_owned()));
 }
 
 async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> Result<(), Error> {

@@ -128,6 +128,7 @@ struct Inner {
     lease_trouble: std::sync::OnceLock<Trouble>,
     starting_why: Mutex<Option<String>>,
     held_back: AtomicBool,
+    store_trouble: Mutex<Option<String>>,
 }
 
 impl Default for StatusHandle {
@@ -145,6 +146,7 @@ impl Default for StatusHandle {
             lease_trouble: std::sync::OnceLock::new(),
             starting_why: Mutex::new(None),
             held_back: AtomicBool::new(false),
+            store_trouble: Mutex::new(None),
         }))
     }
 }
@@ -184,6 +186,9 @@ impl StatusHandle {
         if let Some(t) = self.lease_trouble() {
             return Some(format!("cannot use the lease store: {t}"));
         }
+        if let Some(t) = self.0.store_trouble.lock().ok().and_then(|t| t.clone()) {
+            return Some(format!("cannot use the cursor store: {t}"));
+        }
         if self.0.held_back.load(Ordering::Relaxed) {
             let s = self.0.status.borrow();
             let keys = s.settings_differ.iter().flatten().map(|d| d.key.as_str()).collect::<Vec<_>>().join(", ");
@@ -213,6 +218,13 @@ impl StatusHandle {
     pub(crate) fn settings_differ(&self, d: Option<Vec<crate::deployment::Difference>>, holds_back: bool) {
         self.0.held_back.store(d.is_some() && holds_back, Ordering::Relaxed);
         self.update(|s| s.settings_differ = d);
+    }
+
+    /// A standby's cursor store does not answer (`None`: it does): not ready.
+    pub(crate) fn store_trouble(&self, t: Option<String>) {
+        if let Ok(mut g) = self.0.store_trouble.lock() {
+            *g = t;
+        }
     }
 
     /// What keeps the start from going on (a store that does not answer), for `/readyz`.
