@@ -157,6 +157,30 @@ mod tests {
         Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
     }
 
+    /// README's Layout lists exactly the workspace's members, in no particular order.
+    #[test]
+    fn the_readme_layout_is_the_workspace() {
+        let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+        let manifest = std::fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
+        let members: BTreeSet<String> = manifest
+            .lines()
+            .find(|l| l.starts_with("members"))
+            .expect("members")
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect();
+        let layout = readme.split("## Layout").nth(1).and_then(|l| l.split("```").nth(1)).expect("a Layout block");
+        let listed: BTreeSet<String> = layout
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|w| w.starts_with("crates/") || w.starts_with("bin/"))
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(listed, members, "README's Layout and the workspace's members differ");
+    }
+
     /// The README names exactly the metrics the crates define: none undocumented, none
     /// documented that nothing emits.
     #[test]

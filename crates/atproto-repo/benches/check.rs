@@ -9,25 +9,25 @@
 use std::collections::HashMap;
 
 use atproto_crypto::PublicKey;
+use atproto_data::{Frame, Message};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use relay_client::{Frame, Message};
 
 fn bench(c: &mut Criterion) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/signed");
-    let frames = relay_client::capture::read(&dir.join("signed-b.frames")).expect("frames");
+    let frames = atproto_data::capture::read(&dir.join("signed-b.frames")).expect("frames");
     let keys: HashMap<String, String> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("signed-b.signing-keys.json")).expect("keys"))
             .expect("JSON");
     let keys: HashMap<String, PublicKey> =
         keys.into_iter().map(|(d, k)| (d, PublicKey::from_did_key(&k).expect("key"))).collect();
     let commits: Vec<_> =
-        frames.iter().filter(|f| matches!(relay_client::decode(f), Ok(Frame::Message(Message::Commit(_))))).collect();
+        frames.iter().filter(|f| matches!(atproto_data::decode(f), Ok(Frame::Message(Message::Commit(_))))).collect();
     let mut g = c.benchmark_group("signed-b");
     g.throughput(Throughput::Elements(commits.len() as u64));
     g.bench_function("decode + check_commit (signatures tier), per capture", |b| {
         b.iter(|| {
             for f in &commits {
-                let Ok(Frame::Message(Message::Commit(m))) = relay_client::decode(f) else { continue };
+                let Ok(Frame::Message(Message::Commit(m))) = atproto_data::decode(f) else { continue };
                 atproto_repo::check_commit(m.blocks, Some(m.commit), m.repo, &keys[m.repo]).expect("valid");
             }
         });
@@ -35,7 +35,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("decode + verify::commit (full tier), per capture", |b| {
         b.iter(|| {
             for f in &commits {
-                let Ok(Frame::Message(Message::Commit(m))) = relay_client::decode(f) else { continue };
+                let Ok(Frame::Message(Message::Commit(m))) = atproto_data::decode(f) else { continue };
                 let v =
                     atproto_repo::verify::commit(&m, &keys[m.repo], atproto_repo::verify::Tier::Full).expect("valid");
                 assert!(v.unproven.is_none());

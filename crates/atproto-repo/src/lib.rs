@@ -15,9 +15,9 @@ pub mod mst;
 pub mod verify;
 
 use atproto_crypto::{PublicKey, SignatureError};
-use relay_client::car::Car;
-use relay_client::cbor::Reader;
-use relay_client::cid::Cid;
+use atproto_data::car::Car;
+use atproto_data::cbor::Reader;
+use atproto_data::cid::Cid;
 
 /// Why a commit is not what its event claims.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -166,7 +166,7 @@ pub fn check_commit_in<'a>(
         return Err(CommitError::Root);
     }
     let block = car.get(*root).ok_or(CommitError::MissingCommit)?;
-    if relay_client::car::cid_for(block) != root.as_bytes() {
+    if atproto_data::car::cid_for(block) != root.as_bytes() {
         return Err(CommitError::Cid);
     }
     let p = parse(block)?;

@@ -28,9 +28,9 @@ pub fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-use relay_client::car::{Car, cid_for};
-use relay_client::cbor::{Reader, Writer};
-use relay_client::cid::Cid;
+use atproto_data::car::{Car, cid_for};
+use atproto_data::cbor::{Reader, Writer};
+use atproto_data::cid::Cid;
 
 /// Why a tree could not be inverted to the root a commit names.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -251,7 +251,7 @@ struct Node<'a> {
 
 /// Decodes one node block (`{e: [{k, p, t, v}], l}`), rebuilding each full key.
 fn decode(block: &[u8]) -> Result<Node<'_>, MstError> {
-    let bad = |e: relay_client::CborError| invalid(format!("tree node: {e}"));
+    let bad = |e: atproto_data::CborError| invalid(format!("tree node: {e}"));
     let mut rd = Reader::new(block);
     let fields = rd.map().map_err(bad)?;
     let (mut entries, mut left, mut seen) = (Vec::new(), None, 0u8);
@@ -289,7 +289,7 @@ type NodeEntry<'a> = (&'a [u8], &'a [u8], Option<Vec<u8>>);
 
 /// Decodes one entry (`{k, p, t, v}`), its key rebuilt from the previous key `prev`.
 fn entry<'a>(rd: &mut Reader<'a>, prev: &[u8]) -> Result<Entry<'a>, MstError> {
-    let bad = |e: relay_client::CborError| invalid(format!("tree entry: {e}"));
+    let bad = |e: atproto_data::CborError| invalid(format!("tree entry: {e}"));
     let fields = rd.map().map_err(bad)?;
     let (mut suffix, mut prefix, mut right, mut value) = (None, None, None, None);
     let mut last = None;

@@ -3,8 +3,8 @@
 //! ops inverted on the commit's partial tree back to `prevData`, as sync 1.1 defines).
 
 use atproto_crypto::PublicKey;
-use relay_client::car::Car;
-use relay_client::frame::{Action, Commit as CommitEvent, Sync as SyncEvent};
+use atproto_data::car::Car;
+use atproto_data::frame::{Action, Commit as CommitEvent, Sync as SyncEvent};
 
 use crate::mst::{MstError, Op, Partial};
 use crate::{CommitError, check_commit_in};
@@ -124,7 +124,7 @@ pub struct Verified {
 pub fn commit(ev: &CommitEvent<'_>, key: &PublicKey, tier: Tier) -> Result<Verified, Failure> {
     let full = tier == Tier::Full;
     let mut car = Car::parse(ev.blocks, full).map_err(|e| match e {
-        relay_client::DecodeError::BlockHash(c) => {
+        atproto_data::DecodeError::BlockHash(c) => {
             Failure::new(Reason::Cid, format!("block {c} does not hash to its CID"))
         }
         e => Failure::new(Reason::Malformed, e.to_string()),
@@ -164,7 +164,7 @@ pub fn commit(ev: &CommitEvent<'_>, key: &PublicKey, tier: Tier) -> Result<Verif
 fn invert(
     ev: &CommitEvent<'_>,
     car: &Car<'_>,
-    data: relay_client::cid::Cid<'_>,
+    data: atproto_data::cid::Cid<'_>,
 ) -> Result<Option<&'static str>, Failure> {
     let mst = |e: String| Failure::new(Reason::Mst, e);
     if ev.too_big {
@@ -204,7 +204,7 @@ fn invert(
 /// The first check that fails.
 pub fn sync(ev: &SyncEvent<'_>, key: &PublicKey, tier: Tier) -> Result<Verified, Failure> {
     let car = Car::parse(ev.blocks, tier == Tier::Full).map_err(|e| match e {
-        relay_client::DecodeError::BlockHash(c) => {
+        atproto_data::DecodeError::BlockHash(c) => {
             Failure::new(Reason::Cid, format!("block {c} does not hash to its CID"))
         }
         e => Failure::new(Reason::Malformed, e.to_string()),

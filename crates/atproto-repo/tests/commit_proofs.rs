@@ -4,9 +4,9 @@
 //! block taken away, inversion either cannot complete or still proves the same root
 //! (never another one).
 
+use atproto_data::car::{Car, build, cid_for};
+use atproto_data::cid::Cid;
 use atproto_repo::mst::{MstError, Op, Partial, build_tree};
-use relay_client::car::{Car, build, cid_for};
-use relay_client::cid::Cid;
 
 /// Decodes a base32 (`b…`, RFC 4648 lower case, unpadded) CID string.
 fn cid(s: &str) -> Vec<u8> {

@@ -5,11 +5,11 @@
 use std::collections::HashMap;
 
 use atproto_crypto::PublicKey;
+use atproto_data::{Frame, Message};
 use atproto_repo::verify::{self, Reason, Tier};
-use relay_client::{Frame, Message};
 
-fn frames() -> Vec<relay_client::capture::Bytes> {
-    relay_client::capture::read(&testkit::fixture("signed/signed-b.frames")).expect("signed-b.frames")
+fn frames() -> Vec<atproto_data::capture::Bytes> {
+    atproto_data::capture::read(&testkit::fixture("signed/signed-b.frames")).expect("signed-b.frames")
 }
 
 fn keys() -> HashMap<String, PublicKey> {
@@ -23,7 +23,7 @@ fn every_commit_of_the_signed_capture_is_proven_by_inversion() {
     let (frames, keys) = (frames(), keys());
     let (mut proven, mut empty, mut syncs, mut multi) = (0, 0, 0, 0);
     for (i, f) in frames.iter().enumerate() {
-        match relay_client::decode(f).expect("frame") {
+        match atproto_data::decode(f).expect("frame") {
             Frame::Message(Message::Commit(c)) => {
                 let v = verify::commit(&c, &keys[c.repo], Tier::Full).unwrap_or_else(|e| panic!("frame {i}: {e}"));
                 assert_eq!(v.unproven, None, "frame {i}: every commit of this capture can be proven");
@@ -47,15 +47,15 @@ fn every_commit_of_the_signed_capture_is_proven_by_inversion() {
 }
 
 /// The first commit with ops that satisfies `pick`, as (frame index, frame bytes).
-fn find(frames: &[relay_client::capture::Bytes], pick: impl Fn(&relay_client::frame::Commit<'_>) -> bool) -> usize {
+fn find(frames: &[atproto_data::capture::Bytes], pick: impl Fn(&atproto_data::frame::Commit<'_>) -> bool) -> usize {
     frames
         .iter()
-        .position(|f| matches!(relay_client::decode(f), Ok(Frame::Message(Message::Commit(c))) if !c.ops.is_empty() && pick(&c)))
+        .position(|f| matches!(atproto_data::decode(f), Ok(Frame::Message(Message::Commit(c))) if !c.ops.is_empty() && pick(&c)))
         .expect("a matching commit")
 }
 
-fn commit_of(f: &[u8]) -> relay_client::frame::Commit<'_> {
-    match relay_client::decode(f).expect("frame") {
+fn commit_of(f: &[u8]) -> atproto_data::frame::Commit<'_> {
+    match atproto_data::decode(f).expect("frame") {
         Frame::Message(Message::Commit(c)) => c,
         _ => panic!("a commit"),
     }
@@ -63,17 +63,17 @@ fn commit_of(f: &[u8]) -> relay_client::frame::Commit<'_> {
 
 /// The CAR rebuilt from its blocks after `f` edits them (a list of (CID, data)).
 fn rebuilt(car: &[u8], f: impl FnOnce(&mut Vec<(Vec<u8>, Vec<u8>)>)) -> Vec<u8> {
-    let c = relay_client::car::Car::parse(car, false).expect("CAR");
+    let c = atproto_data::car::Car::parse(car, false).expect("CAR");
     let root = c.roots[0].as_bytes().to_vec();
     let mut blocks: Vec<(Vec<u8>, Vec<u8>)> = c.blocks().map(|(k, d)| (k.as_bytes().to_vec(), d.to_vec())).collect();
     f(&mut blocks);
     let mut out = Vec::new();
-    let mut h = relay_client::cbor::Writer::new();
+    let mut h = atproto_data::cbor::Writer::new();
     h.map(2).str("roots").array(1).link(&root).str("version").int(1);
-    relay_client::car::push_varint(&mut out, h.buf.len() as u64);
+    atproto_data::car::push_varint(&mut out, h.buf.len() as u64);
     out.extend_from_slice(&h.buf);
     for (k, d) in &blocks {
-        relay_client::car::push_varint(&mut out, (k.len() + d.len()) as u64);
+        atproto_data::car::push_varint(&mut out, (k.len() + d.len()) as u64);
         out.extend_from_slice(k);
         out.extend_from_slice(d);
     }
@@ -101,20 +101,20 @@ fn tamperings_of_records_ops_and_trees_are_caught_by_the_full_tier() {
     assert_eq!(verify::commit(&t, key, Tier::Full).map_err(|e| e.reason), Err(Reason::Cid));
 
     // An op's CID changed to another record's.
-    let other = relay_client::car::cid_for(b"another record");
+    let other = atproto_data::car::cid_for(b"another record");
     let mut t = c.clone();
     let i = t.ops.iter().position(|o| o.cid.is_some()).expect("op");
-    t.ops[i].cid = Some(relay_client::cid::Cid::from_bytes(&other).expect("cid"));
+    t.ops[i].cid = Some(atproto_data::cid::Cid::from_bytes(&other).expect("cid"));
     assert_eq!(verify::commit(&t, key, Tier::Full).map_err(|e| e.reason), Err(Reason::Cid));
 
     // A prevData the ops do not reproduce.
     let mut t = c.clone();
-    t.prev_data = Some(relay_client::cid::Cid::from_bytes(&other).expect("cid"));
+    t.prev_data = Some(atproto_data::cid::Cid::from_bytes(&other).expect("cid"));
     assert_eq!(verify::commit(&t, key, Tier::Full).map_err(|e| e.reason), Err(Reason::Mst));
 
     // A tree node the inversion needs removed: unproven, not invalid.
     let data = {
-        let car = relay_client::car::Car::parse(c.blocks, false).expect("CAR");
+        let car = atproto_data::car::Car::parse(c.blocks, false).expect("CAR");
         atproto_repo::check_commit_in(&car, Some(c.commit), c.repo, key).expect("commit").data.as_bytes().to_vec()
     };
     let car = rebuilt(c.blocks, |b| b.retain(|(k, _)| *k != data));
@@ -138,9 +138,9 @@ fn a_wrong_prev_on_a_delete_gives_another_root() {
     let c = commit_of(&frames[at]);
     let key = &keys[c.repo];
     assert_eq!(verify::commit(&c, key, Tier::Full).expect("valid").unproven, None);
-    let other = relay_client::car::cid_for(b"another record");
+    let other = atproto_data::car::cid_for(b"another record");
     let mut t = c.clone();
     let i = t.ops.iter().position(|o| o.prev.is_some()).expect("op");
-    t.ops[i].prev = Some(relay_client::cid::Cid::from_bytes(&other).expect("cid"));
+    t.ops[i].prev = Some(atproto_data::cid::Cid::from_bytes(&other).expect("cid"));
     assert_eq!(verify::commit(&t, key, Tier::Full).map_err(|e| e.reason), Err(Reason::Mst));
 }

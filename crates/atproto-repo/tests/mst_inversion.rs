@@ -2,12 +2,12 @@
 //! ops on the tree after them always gives the tree before; the real trees of the signed
 //! capture re-encode to their own CIDs.
 
+use atproto_data::car::{Car, build, cid_for};
+use atproto_data::cid::Cid;
+use atproto_data::{Frame, Message};
 use atproto_repo::mst::{Op, Partial, build_tree};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use relay_client::car::{Car, build, cid_for};
-use relay_client::cid::Cid;
-use relay_client::{Frame, Message};
 
 /// An op: key, value before, value after.
 type KeyOp = (String, Option<Vec<u8>>, Option<Vec<u8>>);
@@ -84,14 +84,14 @@ fn inverting_random_ops_on_random_trees_gives_back_the_old_root() {
 
 #[test]
 fn the_signed_captures_trees_re_encode_to_their_cids() {
-    let frames = relay_client::capture::read(&testkit::fixture("signed/signed-b.frames")).expect("frames");
+    let frames = atproto_data::capture::read(&testkit::fixture("signed/signed-b.frames")).expect("frames");
     let mut n = 0;
     for f in &frames {
-        let Ok(Frame::Message(Message::Commit(c))) = relay_client::decode(f) else { continue };
+        let Ok(Frame::Message(Message::Commit(c))) = atproto_data::decode(f) else { continue };
         let car = c.car(true).expect("CAR");
         let block = car.get(c.commit).expect("commit block");
         let data = {
-            let mut rd = relay_client::cbor::Reader::new(block);
+            let mut rd = atproto_data::cbor::Reader::new(block);
             let entries = rd.map().expect("map");
             let mut data = None;
             for _ in 0..entries {

@@ -7,11 +7,11 @@
 use std::collections::HashMap;
 
 use atproto_crypto::{PublicKey, SignatureError};
+use atproto_data::{Frame, Message};
 use atproto_repo::{CommitError, check_commit};
-use relay_client::{Frame, Message};
 
-fn frames() -> Vec<relay_client::capture::Bytes> {
-    relay_client::capture::read(&testkit::fixture("signed/signed-b.frames")).expect("signed-b.frames")
+fn frames() -> Vec<atproto_data::capture::Bytes> {
+    atproto_data::capture::read(&testkit::fixture("signed/signed-b.frames")).expect("signed-b.frames")
 }
 
 fn keys() -> HashMap<String, PublicKey> {
@@ -37,7 +37,7 @@ fn every_commit_and_sync_of_the_signed_capture_checks_out_as_the_reference_found
     assert_eq!(frames.len(), 959);
     let (mut commits, mut syncs, mut empty) = (0, 0, 0);
     for (i, f) in frames.iter().enumerate() {
-        let Ok(Frame::Message(m)) = relay_client::decode(f) else { panic!("frame {i} decodes") };
+        let Ok(Frame::Message(m)) = atproto_data::decode(f) else { panic!("frame {i} decodes") };
         let out = match &m {
             Message::Commit(c) => {
                 commits += 1;
@@ -58,9 +58,9 @@ fn every_commit_and_sync_of_the_signed_capture_checks_out_as_the_reference_found
 }
 
 /// The first `#commit` with ops: (its frame, the CAR, the commit CID, the repo).
-fn a_commit(frames: &[relay_client::capture::Bytes]) -> (Vec<u8>, Vec<u8>, String) {
+fn a_commit(frames: &[atproto_data::capture::Bytes]) -> (Vec<u8>, Vec<u8>, String) {
     for f in frames {
-        if let Ok(Frame::Message(Message::Commit(c))) = relay_client::decode(f)
+        if let Ok(Frame::Message(Message::Commit(c))) = atproto_data::decode(f)
             && !c.ops.is_empty()
         {
             return (c.blocks.to_vec(), c.commit.as_bytes().to_vec(), c.repo.to_owned());
@@ -74,7 +74,7 @@ type Block = (Vec<u8>, Vec<u8>);
 
 /// The CAR's blocks and its root.
 fn blocks_of(car: &[u8]) -> (Vec<u8>, Vec<Block>) {
-    let c = relay_client::car::Car::parse(car, false).expect("CAR");
+    let c = atproto_data::car::Car::parse(car, false).expect("CAR");
     let root = c.roots[0].as_bytes().to_vec();
     (root, c.blocks().map(|(k, d)| (k.as_bytes().to_vec(), d.to_vec())).collect())
 }
@@ -91,15 +91,15 @@ fn tampered(car: &[u8], f: impl Fn(&mut Vec<u8>), recompute: bool) -> (Vec<u8>, 
     let (root, blocks) = blocks_of(car);
     let mut commit = blocks.iter().find(|(k, _)| *k == root).expect("commit block").1.clone();
     f(&mut commit);
-    let new_root = if recompute { relay_client::car::cid_for(&commit) } else { root.clone() };
+    let new_root = if recompute { atproto_data::car::cid_for(&commit) } else { root.clone() };
     let mut out = Vec::new();
-    let mut h = relay_client::cbor::Writer::new();
+    let mut h = atproto_data::cbor::Writer::new();
     h.map(2).str("roots").array(1).link(&new_root).str("version").int(1);
-    relay_client::car::push_varint(&mut out, h.buf.len() as u64);
+    atproto_data::car::push_varint(&mut out, h.buf.len() as u64);
     out.extend_from_slice(&h.buf);
     for (k, d) in &blocks {
         let (k, d) = if *k == root { (&new_root, &commit) } else { (k, d) };
-        relay_client::car::push_varint(&mut out, (k.len() + d.len()) as u64);
+        atproto_data::car::push_varint(&mut out, (k.len() + d.len()) as u64);
         out.extend_from_slice(k);
         out.extend_from_slice(d);
     }
@@ -111,9 +111,9 @@ fn tampered_commits_are_caught_with_the_right_reason() {
     let (frames, keys) = (frames(), keys());
     let (car, cid, repo) = a_commit(&frames);
     let key = &keys[&repo];
-    let cid_of = |b: &[u8]| relay_client::cid::Cid::from_bytes(b).expect("cid").as_bytes().to_vec();
+    let cid_of = |b: &[u8]| atproto_data::cid::Cid::from_bytes(b).expect("cid").as_bytes().to_vec();
     let check = |car: &[u8], cid: &[u8], repo: &str, key: &PublicKey| {
-        let c = relay_client::cid::Cid::from_bytes(cid).expect("cid");
+        let c = atproto_data::cid::Cid::from_bytes(cid).expect("cid");
         check_commit(car, Some(c), repo, key).map(|_| ())
     };
     assert_eq!(check(&car, &cid, &repo, key), Ok(()), "the original checks out");

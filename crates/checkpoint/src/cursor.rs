@@ -2,7 +2,7 @@
 
 /// The largest cursor stored (the relay client's largest seq, 2^53-1): exact in every
 /// JSON/JavaScript consumer and in Lua's doubles.
-pub use relay_client::MAX_SEQ;
+pub use atproto_data::MAX_SEQ;
 
 /// The token of a lease holder value `<instance>:<token>`; a malformed value is a caller
 /// bug, reported as a protocol error rather than a guess.

@@ -71,6 +71,8 @@ mod term;
 pub mod verify;
 
 pub use async_trait::async_trait;
+/// Which configured relay an event came from (primary or secondary).
+pub use relay_client::RelayRole;
 
 pub use crate::builder::Builder;
 pub use crate::chain::{ChainBreak, ChainBreaks};

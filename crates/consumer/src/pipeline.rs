@@ -84,9 +84,7 @@ impl Shape {
 /// The lane of a repo among `lanes` (FNV-1a of the DID): its events' lane, and its part
 /// of the term's memory.
 pub(crate) fn lane_of(did: Option<&str>, lanes: usize) -> usize {
-    let h = did.map_or(0u64, |d| {
-        d.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-    });
+    let h = did.map_or(0u64, atproto_data::hash::did_hash);
     (h % lanes.max(1) as u64) as usize
 }
 

@@ -42,7 +42,7 @@ pub struct ConfigError {
 }
 
 impl LeaseConfig {
-    /// Timings derived from a ttl the way DESIGN.md describes: renew every ttl/5,
+    /// Timings derived from a ttl (the chaos suites run these at ttl 2 s): renew every ttl/5,
     /// margin ttl/4 (at least 100 ms), op timeout clamp(ttl/8, 100 ms, 5 s).
     #[must_use]
     pub fn from_ttl(ttl: Duration) -> Self {

@@ -2,12 +2,8 @@
 //!
 //! # Layout
 //! - [`relay_url`]: ws/wss URLs, the relay fingerprint, credential redaction.
-//! - [`cbor`]: a strict, borrowing DAG-CBOR reader (and a small canonical writer).
-//! - [`cid`]: atproto CIDs and their string forms.
-//! - [`car`]: a `CARv1` slice reader for commit `blocks`.
-//! - [`frame`]: `subscribeRepos` frames decoded into borrowed structs.
-//! - [`json`]: records and frames in the atproto JSON data model.
-//! - [`capture`]: the capture file format (length-prefixed frames).
+//! - [`cbor`], [`cid`], [`car`], [`frame`], [`json`], [`capture`]: the data model, from
+//!   the `atproto-data` crate (re-exported: a subscription yields its frames).
 //! - [`config`] and [`item`]: what a subscription is configured with and what it yields.
 //! - [`client`]: the WebSocket connection loop with reconnect, backoff, stall detection
 //!   and primary/secondary failover.
@@ -16,18 +12,14 @@
 //! gets frames back, in order, with duplicates dropped.
 
 pub mod backoff;
-pub mod capture;
-pub mod car;
-pub mod cbor;
-pub mod cid;
 pub mod client;
 pub mod config;
 pub mod error;
-pub mod frame;
 pub mod item;
-pub mod json;
 pub mod probe;
 pub mod relay_url;
+
+pub use atproto_data::{capture, car, cbor, cid, frame, json};
 
 pub use client::Subscription;
 pub use config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, RelayRole};

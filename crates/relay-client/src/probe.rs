@@ -181,12 +181,7 @@ pub struct Search {
 /// Reads at most this many events at once while proving a start.
 const STRETCH_MAX: usize = 4096;
 
-/// An RFC 3339 relay time as Unix milliseconds.
-#[must_use]
-pub fn time_ms(t: &str) -> Option<i64> {
-    let t = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()?;
-    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
-}
+pub use atproto_data::time::time_ms;
 
 /// The lower quartile of `times`: an "at least this late" reading that isolated fast
 /// clocks cannot raise (up to three quarters of the readings may be ahead) and a few slow

@@ -32,15 +32,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use atproto_data::Message;
 use bytes::Bytes;
 use consumer::{BatchCtx, Event, Handler, HandlerError};
 use nats_op::async_nats::jetstream::context::PublishAckFuture;
 use nats_op::async_nats::jetstream::{self, stream};
 use nats_op::async_nats::{HeaderMap, header};
 use nats_op::{Nats, NatsError};
-use relay_client::Message;
 
-use crate::{event_key, fnv};
+use crate::event_key;
+use atproto_data::hash::did_hash;
 
 /// The client-side bound on unacknowledged publishes: none to speak of (the lanes bound
 /// them with `max_pending`).
@@ -108,12 +109,6 @@ fn subject_safe(s: &str) -> bool {
     !s.is_empty()
         && s.split('.').all(|t| !t.is_empty())
         && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
-}
-
-/// FNV-1a of the DID: stable across versions and processes (the partition of a repo
-/// must never move).
-fn did_hash(did: &str) -> u64 {
-    fnv(0xcbf2_9ce4_8422_2325, did.as_bytes())
 }
 
 /// FNV-1a, continued from `h`.
@@ -223,7 +218,7 @@ impl JetStream {
             Message::Commit(c) => c
                 .ops
                 .first()
-                .map(relay_client::frame::RepoOp::collection)
+                .map(atproto_data::frame::RepoOp::collection)
                 .filter(|c| subject_safe(c))
                 .unwrap_or("commit"),
             m => m.kind().as_str().trim_start_matches('#'),
@@ -354,7 +349,7 @@ mod tests {
         let frames = relay_sim::capture::read(&testkit::fixture("pds-capture.frames")).expect("fixture");
         let mut seen = 0;
         for f in &frames {
-            let Some(e) = Event::from_bytes(f, relay_client::RelayRole::Primary).expect("decodes") else { continue };
+            let Some(e) = Event::from_bytes(f, consumer::RelayRole::Primary).expect("decodes") else { continue };
             let earlier = format!("fp1:{}:{:016x}", e.seq(), event_key(&e));
             assert_eq!(message_id("fp1", &e), earlier);
             seen += 1;

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use atproto_data::Message;
 use checkpoint::{CommitOutcome, PostgresStore};
 use consumer::{BatchCtx, Event, Handler, HandlerError};
-use relay_client::Message;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex;
 
@@ -48,25 +48,20 @@ pub enum OpenError {
     Http(#[from] reqwest::Error),
 }
 
-/// FNV-1a over `bytes` from `h`.
-pub(crate) fn fnv(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
-}
-
 /// What names an event whatever its seq: a `#commit`/`#sync` by repo and rev, an
 /// `#identity`/`#account` by DID and time, anything else by its frame. Stable across
 /// versions and processes (a replay by another leader must get the same key).
 #[must_use]
 pub fn event_key(e: &Event) -> u64 {
-    let seed = 0xcbf2_9ce4_8422_2325;
+    use atproto_data::hash::{FNV_OFFSET, fnv1a};
     let (a, b) = match e.message() {
         Message::Commit(c) => (c.repo, c.rev),
         Message::Sync(s) => (s.did, s.rev),
         Message::Identity(i) => (i.did, i.time),
         Message::Account(a) => (a.did, a.time),
-        _ => return fnv(seed, e.bytes()),
+        _ => return fnv1a(FNV_OFFSET, e.bytes()),
     };
-    fnv(fnv(fnv(seed, a.as_bytes()), &[0]), b.as_bytes())
+    fnv1a(fnv1a(fnv1a(FNV_OFFSET, a.as_bytes()), &[0]), b.as_bytes())
 }
 
 /// The JSON line of an event: `{"seq","relay","token","event"}`, preceded, when the
@@ -455,7 +450,7 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
     }
     // The cursor carries the relay time of the event at it, as the consumer's own commits
     // do, so a relay switch or a successor resumes by time.
-    let time = last.time().and_then(relay_client::probe::time_ms);
+    let time = last.time().and_then(atproto_data::time::time_ms);
     match PostgresStore::commit_at_in(&tx, &ctx.fingerprint, last.seq(), time, ctx.token).await {
         Ok(CommitOutcome::Fenced { .. }) => {
             let _ = tx.rollback().await;

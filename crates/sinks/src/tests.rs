@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use consumer::RelayRole;
 use consumer::{BatchCtx, Event, Handler, HandlerError};
 use lease::{LeaseConfig, LeaseEvent, LocalBackend, OffsetClock};
-use relay_client::RelayRole;
 
 use super::*;
 
@@ -270,7 +270,7 @@ async fn the_postgres_sink_records_chain_breaks_beside_the_events() {
     let revs: (String, String, String, String) = (b.get(1), b.get(2), b.get(3), b.get(4));
     assert_eq!(revs, ("did:plc:a".into(), "3jzfcijpj2z2c".into(), "3jzfcijpj2z2e".into(), "3jzfcijpj2z2g".into()));
     // The cursor carries the time of the batch's last event and the relay it came from.
-    let want_time = evs[2].time().and_then(relay_client::probe::time_ms);
+    let want_time = evs[2].time().and_then(atproto_data::time::time_ms);
     assert!(want_time.is_some());
     let c =
         db.query_one("SELECT cursor, time_ms FROM firekeeper_cursors WHERE relay = 'fp'", &[]).await.expect("cursor");
@@ -305,7 +305,7 @@ fn renumbered(skip: usize, n: usize, first: u64) -> Vec<Event> {
 /// An `#identity` event whose handle holds a NUL character (valid in atproto JSON; any
 /// account can send one): Postgres cannot keep it as jsonb.
 fn identity_with_nul(seq: u64) -> Event {
-    let mut w = relay_client::cbor::Writer::new();
+    let mut w = atproto_data::cbor::Writer::new();
     w.map(2).str("t").str("#identity").str("op").int(1);
     w.map(4).str("did").str("did:plc:nulnulnulnulnulnulnulnul").str("seq").int(i64::try_from(seq).expect("seq"));
     w.str("time").str("2026-12-02T10:17:24.747Z").str("handle").str("bad\u{0}handle.test");
@@ -443,7 +443,7 @@ async fn jetstream_publishes_each_event_once_and_a_replay_is_deduplicated() {
         e.render_json(&mut want);
         assert_eq!(body, &want);
         match e.message() {
-            relay_client::Message::Commit(c) if !c.ops.is_empty() => {
+            atproto_data::Message::Commit(c) if !c.ops.is_empty() => {
                 assert_eq!(subject, &format!("firekeeper.events.{}", c.ops[0].collection()));
             }
             m => assert_eq!(subject, &format!("firekeeper.events.{}", m.kind().as_str().trim_start_matches('#'))),

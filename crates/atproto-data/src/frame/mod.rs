@@ -59,7 +59,7 @@ pub struct ErrorFrame<'a> {
 }
 
 /// The message types of `subscribeRepos`. `Yokeable` lets a frame's owner keep the
-/// decoded message beside its bytes (see [`crate::OwnedFrame`]): decoded once.
+/// decoded message beside its bytes (see `relay_client::OwnedFrame`): decoded once.
 #[derive(Debug, yoke::Yokeable)]
 pub enum Message<'a> {
     /// `#commit`: a repo commit with its ops and CAR blocks.
