@@ -3,7 +3,7 @@
 #   make test    everything CI runs (installs redis-server and PostgreSQL if missing)
 #   make bench   decode benchmark (criterion), the chain check's memory, figures through the real binary
 #   make chaos   the fault suites (Redis and NATS) at scale 4, and 20,000 generated relay switches (make test runs scale 1, 300 switches)
-#   make soak    30 minutes of random faults under the chaos oracle, on Redis and on NATS (make test runs 20 s each)
+#   make soak    30 minutes of random faults under the chaos oracle, on Redis and on NATS (make test runs 12 s each)
 #   make lint    the CI style gates: rustfmt check, clippy (pedantic) with warnings as errors
 
 CARGO ?= cargo

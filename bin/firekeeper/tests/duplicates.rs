@@ -135,7 +135,7 @@ async fn after_a_store_outage_and_a_crash_what_comes_twice_is_bounded(store: Sto
         eprintln!("SKIPPED: mounting a tmpfs is not allowed here; the file store's outage needs it");
         return;
     };
-    let frames = relay_sim::capture::repeat_in_time(&testkit::fixture_frames(), 3);
+    let frames = relay_sim::capture::repeat_in_time(&testkit::fixture_frames(), 2);
     let total = frames.len() as u64;
     let relay = RelaySim::start_with(
         frames,

@@ -208,6 +208,13 @@ async fn replicas_that_disagree(var: &str, url: &str) {
             ("FIREKEEPER_START", "oldest"),
             ("FIREKEEPER_SINK", "null"),
             ("FIREKEEPER_INSTANCE_ID", name),
+            // ttl 1 s: "not taken over within three ttls" then costs 3 s.
+            ("FIREKEEPER_LEASE_TTL_MS", "1000"),
+            ("FIREKEEPER_LEASE_RENEW_MS", "200"),
+            ("FIREKEEPER_LEASE_OP_TIMEOUT_MS", "125"),
+            ("FIREKEEPER_LEASE_MARGIN_MS", "250"),
+            ("FIREKEEPER_LEASE_POLL_MS", "100"),
+            ("FIREKEEPER_DRAIN_BUDGET_MS", "3000"),
         ]
         .into_iter()
         .chain(extra.iter().copied())
@@ -246,7 +253,7 @@ async fn replicas_that_disagree(var: &str, url: &str) {
     let _ = a.kill();
     let _ = a.wait();
     // Three ttls: any standby would have taken over by now.
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(6);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
     while std::time::Instant::now() < until {
         assert_ne!(status(&b_http).await["role"], "leader", "b took over with different settings");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

@@ -192,10 +192,14 @@ impl Files {
         self.write_file(&format!("cursor-{fingerprint}"), &cursor.to_string())
     }
 
-    /// Replaces `dir/name` atomically and durably.
+    /// Replaces `dir/name` atomically and durably. The temporary file is this write's
+    /// own (process id and a counter): another process writing the same file at once (an
+    /// operator's `cursor set --force` beside a leader) renames its own, never ours.
     fn write_file(&self, name: &str, contents: &str) -> Result<(), StoreError> {
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let p = self.dir.join(name);
-        let tmp = self.dir.join(format!(".{name}.tmp"));
+        let tmp = self.dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
         let mut f = File::create(&tmp).map_err(|e| io("creating", &tmp, &e))?;
         f.write_all(contents.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing", &tmp, &e))?;
         std::fs::rename(&tmp, &p).map_err(|e| io("renaming", &p, &e))?;
@@ -307,5 +311,35 @@ impl crate::CursorStore for FileStore {
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         Self::force(self, fingerprint, cursor).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two processes writing the same cursor file at once (a leader's commit and an
+    /// operator's `cursor set --force`) must each replace it whole: they used one
+    /// temporary name, so one renamed the other's file away and failed with ENOENT
+    /// (seen in CI). Two `Files` with their own locks stand for the two processes.
+    #[test]
+    fn concurrent_writers_of_one_file_never_trip_over_each_others_temporary() {
+        let dir = std::env::temp_dir().join(format!("fk-file-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let writer = |n: u64| {
+            let f = Files { dir: dir.clone(), lease_file: dir.join("lease"), lock: Mutex::new(()) };
+            std::thread::spawn(move || {
+                for i in 0..300 {
+                    f.write_file("cursor-x", &(n * 1000 + i).to_string()).expect("a whole write");
+                }
+            })
+        };
+        let (a, b) = (writer(1), writer(2));
+        a.join().expect("a");
+        b.join().expect("b");
+        let last: u64 = std::fs::read_to_string(dir.join("cursor-x")).expect("read").parse().expect("a cursor");
+        assert!(last == 1299 || last == 2299, "one writer's last value: {last}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

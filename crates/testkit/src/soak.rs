@@ -9,14 +9,14 @@ use tokio::time::sleep;
 use crate::cluster::{Cluster, Spec};
 
 /// Random kills, pauses, partitions, half-open links, store stalls and restarts, and
-/// relay drops for `FK_TEST_SOAK_SECS` (default 20), then the oracle. The seed is
+/// relay drops for `FK_TEST_SOAK_SECS` (default 12), then the oracle. The seed is
 /// printed; `FK_TEST_SOAK_SEED` replays a run. `nats` picks the NATS lease and cursors.
 ///
 /// # Panics
 /// When the oracle finds a fault (a seq missing, a token going back, the cursor going
 /// back or not ending at the last seq, two leaders at once).
 pub async fn run(name: &str, nats: bool) {
-    let secs: u64 = std::env::var("FK_TEST_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let secs: u64 = std::env::var("FK_TEST_SOAK_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
     let seed: u64 = std::env::var("FK_TEST_SOAK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64) | 1
     });
