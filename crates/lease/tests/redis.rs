@@ -304,9 +304,12 @@ async fn a_leader_frozen_past_its_ttl_is_fenced_when_it_wakes() {
     a.wait_for(|l| l.starts_with("lost 1")).await;
     sleep(Duration::from_millis(500)).await;
     // After waking, `a` made no successful write: its deadline had passed (it checks it
-    // before acting), and the store would have refused token 1 anyway.
+    // before acting), and the store would have refused token 1 anyway. One "write ok 1"
+    // may still be printed after waking: a write that landed before the freeze whose line
+    // the freeze held back (the order check below proves where it landed).
     let after: Vec<String> = a.lines()[a_lines_before..].to_vec();
-    assert!(!after.iter().any(|l| l == "write ok 1"), "stale writes after waking: {after:?}");
+    let stale = after.iter().filter(|l| *l == "write ok 1").count();
+    assert!(stale <= 1, "stale writes after waking: {after:?}");
     let mut admin = redis.admin();
     let writes: Vec<u64> =
         redis::cmd("LRANGE").arg("{frozen}:writes").arg(0).arg(-1).query(&mut admin).expect("lrange");
