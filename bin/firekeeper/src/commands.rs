@@ -103,15 +103,8 @@ pub fn describe_store(cfg: &Config) -> String {
 }
 
 /// A URL shown with scheme, host, port and path: no user, password or query.
-pub fn address(raw: &str) -> String {
-    match url::Url::parse(raw) {
-        Ok(u) => {
-            let port = u.port_or_known_default().map_or_else(String::new, |p| format!(":{p}"));
-            let path = if u.path() == "/" { "" } else { u.path() };
-            format!("{}://{}{port}{path}", u.scheme(), u.host_str().unwrap_or(""))
-        }
-        Err(_) => "(not a URL)".into(),
-    }
+fn address(raw: &str) -> String {
+    crate::settings::address(raw).unwrap_or_else(|| "(not a URL)".into())
 }
 
 fn absolute(p: &Path) -> String {

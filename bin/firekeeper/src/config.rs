@@ -205,14 +205,19 @@ fn nats(r: &Raw, errors: &mut Vec<String>) -> Option<NatsConfig> {
         errors.push(format!("NATS_CREDS {} is not a readable file", p.display()));
     }
     if let Some(p) = &r.nats_ca_file {
-        match std::fs::read(p) {
-            Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => {}
-            Ok(_) => errors.push(format!("FIREKEEPER_NATS_CA_FILE {} holds no PEM certificate", p.display())),
-            Err(e) => errors.push(format!("FIREKEEPER_NATS_CA_FILE {} cannot be read: {e}", p.display())),
-        }
+        check_ca_file("FIREKEEPER_NATS_CA_FILE", p, errors);
     }
     let (creds_file, ca_file, token) = (r.nats_creds.clone(), r.nats_ca_file.clone(), r.nats_token.clone());
     Some(NatsConfig { url, creds_file, ca_file, token, op_timeout: r.lease.op_timeout })
+}
+
+/// A CA file setting names a readable file holding a PEM certificate.
+fn check_ca_file(var: &str, p: &std::path::Path, errors: &mut Vec<String>) {
+    match std::fs::read(p) {
+        Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => {}
+        Ok(_) => errors.push(format!("{var} {} holds no PEM certificate", p.display())),
+        Err(e) => errors.push(format!("{var} {} cannot be read: {e}", p.display())),
+    }
 }
 
 /// Checks that hold within one part: URLs, lease timings, names, limits.
@@ -225,11 +230,7 @@ fn check_parts(r: &Raw, errors: &mut Vec<String>) {
         );
     }
     if let Some(p) = &r.redis_ca_file {
-        match std::fs::read(p) {
-            Ok(pem) if String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") => {}
-            Ok(_) => errors.push(format!("FIREKEEPER_REDIS_CA_FILE {} holds no PEM certificate", p.display())),
-            Err(e) => errors.push(format!("FIREKEEPER_REDIS_CA_FILE {} cannot be read: {e}", p.display())),
-        }
+        check_ca_file("FIREKEEPER_REDIS_CA_FILE", p, errors);
         if !r.redis_url.as_deref().is_some_and(|u| u.trim_start().to_ascii_lowercase().starts_with("rediss://")) {
             errors.push("FIREKEEPER_REDIS_CA_FILE is set but REDIS_URL is not rediss:// (TLS)".into());
         }

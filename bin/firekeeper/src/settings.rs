@@ -562,19 +562,26 @@ pub fn effective(vars: &HashMap<String, String>, derived: &[(&str, String)]) -> 
 }
 
 /// A store or collector URL as scheme, host, port (the scheme's default when none is
-/// given) and path, without user or password.
-fn shown_url(v: &str) -> String {
-    let Ok(u) = url::Url::parse(v.trim()) else { return "(set, not a URL)".to_owned() };
+/// given) and path, without user, password or query; `None` when it is not a URL. What
+/// `check-config` and `cursor set` show of a store.
+pub fn address(raw: &str) -> Option<String> {
+    let u = url::Url::parse(raw.trim()).ok()?;
     let port = u.port().or_else(|| match u.scheme() {
         "redis" | "rediss" => Some(6379),
         "nats" | "tls" => Some(4222),
         "postgres" | "postgresql" => Some(5432),
-        other => url::Url::parse(&format!("{other}://x")).ok().and_then(|d| d.port_or_known_default()),
+        _ => u.port_or_known_default(),
     });
-    let creds = if u.username().is_empty() && u.password().is_none() { "" } else { " (credentials set, hidden)" };
     let port = port.map(|p| format!(":{p}")).unwrap_or_default();
     let path = if u.path() == "/" { "" } else { u.path() };
-    format!("{}://{}{port}{path}{creds}", u.scheme(), u.host_str().unwrap_or(""))
+    Some(format!("{}://{}{port}{path}", u.scheme(), u.host_str().unwrap_or("")))
+}
+
+/// [`address`], saying whether credentials were set (never what they are).
+fn shown_url(v: &str) -> String {
+    let Some(shown) = address(v) else { return "(set, not a URL)".to_owned() };
+    let creds = url::Url::parse(v.trim()).is_ok_and(|u| !u.username().is_empty() || u.password().is_some());
+    if creds { format!("{shown} (credentials set, hidden)") } else { shown }
 }
 
 #[cfg(test)]

@@ -169,10 +169,13 @@ pub(crate) async fn keep(
             LeaseStatus::Leader { token } | LeaseStatus::SteppingDown { token } => {
                 // Written once per term, and again when the store no longer has it (it
                 // lost its data); a later term's record is left alone.
-                let stored = backend.deployment().await.map(|r| r.map(|(t, _)| t));
-                let due =
-                    written != Some(token) || matches!(stored, Ok(None)) || matches!(stored, Ok(Some(t)) if t < token);
-                if due && !matches!(stored, Ok(Some(t)) if t > token) {
+                let due = match backend.deployment().await {
+                    Ok(Some((t, _))) if t > token => false,
+                    Ok(Some((t, _))) if t == token => written != Some(token),
+                    Ok(_) => true,
+                    Err(_) => written != Some(token),
+                };
+                if due {
                     match backend.set_deployment(token, &record).await {
                         Ok(true) => {
                             if written != Some(token) {
