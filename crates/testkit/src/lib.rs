@@ -156,6 +156,11 @@ impl ServerProc {
         self.0.as_ref().map_or(0, Child::id)
     }
 
+    /// True while the child runs (false once it exited, e.g. because its port was taken).
+    fn running(&mut self) -> bool {
+        self.0.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     /// SIGKILL and reap.
     fn kill(&mut self) {
         if let Some(mut c) = self.0.take() {
@@ -311,20 +316,38 @@ impl RedisServer {
         Self::launch(&[], true)
     }
 
+    /// Starts on `port`; `None` when another process has the port (its server answers
+    /// there, and this one exits).
+    ///
+    /// # Panics
+    /// As [`RedisServer::start`].
+    #[must_use]
+    pub fn start_on(port: u16) -> Option<Self> {
+        Self::launch_on(port, &[], false)
+    }
+
     fn launch(extra: &[&str], persistent: bool) -> Self {
+        (0..5)
+            .find_map(|_| Self::launch_on(free_port(), extra, persistent))
+            .expect("redis-server exited at start 5 times (ports taken?)")
+    }
+
+    fn launch_on(port: u16, extra: &[&str], persistent: bool) -> Option<Self> {
         let mut s = Self {
-            port: free_port(),
+            port,
             dir: tmpdir("redis"),
             child: ServerProc::default(),
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             persistent,
         };
-        s.spawn();
+        if !s.try_spawn() {
+            return None;
+        }
         if !s.extra.iter().any(|e| e == "--requirepass" || e == "--replicaof") {
             let keys: u64 = redis::cmd("DBSIZE").query(&mut s.admin()).expect("DBSIZE");
             assert_eq!(keys, 0, "a fresh test redis-server must start empty (dir {})", s.dir.display());
         }
-        s
+        Some(s)
     }
 
     /// The directory the server keeps its files in.
@@ -333,7 +356,16 @@ impl RedisServer {
         &self.dir
     }
 
+    /// Starts the child on its port again (panics when another process has the port).
     fn spawn(&mut self) {
+        assert!(self.try_spawn(), "redis-server could not take port {} again (another process has it)", self.port);
+    }
+
+    /// Starts the child and waits until *it* answers on the port (its `process_id`):
+    /// another test's server that took the port first also answers there, and this
+    /// child then exits (false), leaving a test to pause or kill a process that serves
+    /// nobody.
+    fn try_spawn(&mut self) -> bool {
         let persistence: &[&str] = if self.persistent {
             &["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
         } else {
@@ -350,29 +382,37 @@ impl RedisServer {
             .spawn()
             .expect("redis-server on PATH (scripts/ensure-deps.sh installs it)");
         self.child = ServerProc(Some(child));
-        self.wait_ready();
-    }
-
-    fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() && self.ping() {
-                return;
+            if self.answers() {
+                return true;
+            }
+            if !self.child.running() {
+                self.child.kill();
+                return false;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!("redis-server on port {} did not start", self.port);
     }
 
-    fn ping(&self) -> bool {
+    /// True when the server on the port is this child (`INFO server`'s `process_id`).
+    fn answers(&self) -> bool {
         let Ok(client) = redis::Client::open(self.url()) else {
             return false;
         };
         let Ok(mut c) = client.get_connection_with_timeout(Duration::from_millis(500)) else {
             return false;
         };
-        redis::cmd("PING").query::<String>(&mut c).is_ok_and(|p| p == "PONG")
-            || self.extra.iter().any(|e| e == "--requirepass")
+        if let Some(at) = self.extra.iter().position(|e| e == "--requirepass")
+            && redis::cmd("AUTH").arg(&self.extra[at + 1]).query::<String>(&mut c).is_err()
+        {
+            return false;
+        }
+        let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut c) else {
+            return false;
+        };
+        info.lines().any(|l| l.trim() == format!("process_id:{}", self.child.pid()))
     }
 
     /// The port.
@@ -471,10 +511,18 @@ impl NatsServer {
     /// Starts with extra `nats-server` arguments (e.g. `--auth <token>`).
     #[must_use]
     pub fn start_with(extra: &[&str]) -> Self {
+        (0..5)
+            .find_map(|_| Self::start_on(free_port(), extra))
+            .expect("nats-server exited at start 5 times (ports taken?)")
+    }
+
+    /// Starts on `port` with extra arguments; `None` when another process has the port
+    /// (its server answers there, and this one exits).
+    #[must_use]
+    pub fn start_on(port: u16, extra: &[&str]) -> Option<Self> {
         let extra = extra.iter().map(|a| (*a).to_owned()).collect();
-        let mut s = Self { port: free_port(), dir: tmpdir("nats"), child: ServerProc::default(), extra };
-        s.spawn();
-        s
+        let mut s = Self { port, dir: tmpdir("nats"), child: ServerProc::default(), extra };
+        s.try_spawn().then_some(s)
     }
 
     /// Starts a server that requires TLS, serving `ca`'s server certificate (clients
@@ -485,9 +533,18 @@ impl NatsServer {
         Self::start_with(&["--tls", "--tlscert", &file("server.pem"), "--tlskey", &file("server.key")])
     }
 
+    /// Starts the child on its port again (panics when another process has the port).
     fn spawn(&mut self) {
+        assert!(self.try_spawn(), "nats-server could not take port {} again (another process has it)", self.port);
+    }
+
+    /// Starts the child and waits until *it* answers on the port: the server is named
+    /// after its own directory and the `INFO` line must carry that name, because another
+    /// test's server that took the port first also answers there, and this child then
+    /// exits (false), leaving a test to pause or kill a process that serves nobody.
+    fn try_spawn(&mut self) -> bool {
         let child = Command::new(nats_bin())
-            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-n", &self.name(), "-sd"])
             .arg(&self.dir)
             .args(&self.extra)
             .stdout(Stdio::null())
@@ -498,14 +555,23 @@ impl NatsServer {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if self.answers() {
-                return;
+                return true;
+            }
+            if !self.child.running() {
+                self.child.kill();
+                return false;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!("nats-server on port {} did not start", self.port);
     }
 
-    /// True when the server sends its `INFO` line and JetStream is enabled.
+    /// The server's name: unique per server, so its `INFO` line tells it from another.
+    fn name(&self) -> String {
+        self.dir.file_name().map_or_else(|| format!("fk-nats-{}", self.port), |n| n.to_string_lossy().into_owned())
+    }
+
+    /// True when this server (by name) sends its `INFO` line and JetStream is enabled.
     fn answers(&self) -> bool {
         use std::io::Read as _;
         let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else { return false };
@@ -513,7 +579,9 @@ impl NatsServer {
         let mut buf = [0u8; 4096];
         let n = s.read(&mut buf).unwrap_or(0);
         let info = String::from_utf8_lossy(&buf[..n]);
-        info.starts_with("INFO") && info.contains("\"jetstream\":true")
+        info.starts_with("INFO")
+            && info.contains("\"jetstream\":true")
+            && info.contains(&format!("\"server_name\":\"{}\"", self.name()))
     }
 
     /// The port.
@@ -757,7 +825,16 @@ impl PgServer {
     /// initdb + start on a free port; waits until it accepts connections.
     #[must_use]
     pub fn start() -> Self {
-        let port = free_port();
+        (0..5).find_map(|_| Self::start_on(free_port())).expect("postgres exited at start 5 times (ports taken?)")
+    }
+
+    /// initdb + start on `port`; `None` when another process has the port (its server
+    /// answers there, and this one exits).
+    ///
+    /// # Panics
+    /// When initdb fails or the server does not start.
+    #[must_use]
+    pub fn start_on(port: u16) -> Option<Self> {
         let dir = std::env::temp_dir().join(format!("fk-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("pg dir");
@@ -773,11 +850,18 @@ impl PgServer {
             .expect("initdb (scripts/ensure-deps.sh installs PostgreSQL)");
         assert!(ok.success(), "initdb failed");
         let mut s = Self { port, dir, child: None };
-        s.spawn();
-        s
+        s.try_spawn().then_some(s)
     }
 
+    /// Starts the server on its port again (panics when another process has the port).
     fn spawn(&mut self) {
+        assert!(self.try_spawn(), "postgres could not take port {} again (another process has it)", self.port);
+    }
+
+    /// Starts the server and waits until *it* is ready: its `postmaster.pid` names this
+    /// child and says `ready` (another test's server that took the port first answers
+    /// `pg_isready` too, and this child then exits: false).
+    fn try_spawn(&mut self) -> bool {
         let data = self.dir.join("data");
         let child = as_postgres(&mut Command::new(pg_bin("postgres")))
             .args(["-D", &data.to_string_lossy(), "-p", &self.port.to_string(), "-k", &self.dir.to_string_lossy()])
@@ -786,21 +870,36 @@ impl PgServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("postgres");
+        let pid = child.id().to_string();
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
-            let ready = Command::new(pg_bin("pg_isready"))
-                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
+            let status = std::fs::read_to_string(data.join("postmaster.pid")).unwrap_or_default();
+            let lines: Vec<&str> = status.lines().map(str::trim).collect();
+            let ours = lines.first() == Some(&pid.as_str()) && lines.get(7) == Some(&"ready");
+            let ready = ours
+                && Command::new(pg_bin("pg_isready"))
+                    .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success());
             if ready {
-                return;
+                return true;
+            }
+            if self.child.as_mut().is_some_and(|c| !matches!(c.try_wait(), Ok(None))) {
+                self.kill();
+                return false;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         panic!("postgres on port {} did not start", self.port);
+    }
+
+    /// The port.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// `postgres://postgres@127.0.0.1:<port>/postgres`.

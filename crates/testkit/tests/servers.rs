@@ -46,3 +46,18 @@ fn a_persistent_test_redis_keeps_its_keys_across_a_restart() {
     r.restart();
     assert_eq!(get(&r, "{firekeeper}:fence").as_deref(), Some("7"));
 }
+
+/// A server asked for a port another test's server holds does not pass that server off
+/// as its own: the start says so (`None`), and the kit's starts then take another port.
+/// (A NATS store test once paused "its" server, which had exited, and read a cursor
+/// from the other test's server that answered on the port.)
+#[test]
+fn a_server_whose_port_is_taken_is_not_taken_for_the_one_answering_there() {
+    let redis = RedisServer::start();
+    assert!(RedisServer::start_on(redis.port()).is_none(), "redis: the other server was taken for this one");
+    let nats = testkit::NatsServer::start();
+    assert!(testkit::NatsServer::start_on(nats.port(), &[]).is_none(), "nats: the other server was taken for this one");
+    let pg = testkit::PgServer::start();
+    assert!(testkit::PgServer::start_on(pg.port()).is_none(), "postgres: the other server was taken for this one");
+    let _ = (redis, nats, pg);
+}
