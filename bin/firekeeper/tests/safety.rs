@@ -338,7 +338,7 @@ async fn a_frozen_leader_writes_none_of_the_batches_waiting_for_the_jsonl_lock_a
     env_b.insert("FIREKEEPER_HTTP_ADDR".into(), http_b.clone());
     let b = firekeeper(&env_b, &[], &dir.join("b.log"));
     wait_role(&http_b, "standby").await;
-    assert!(Command::new("kill").args(["-STOP", &a.id().to_string()]).status().expect("kill").success());
+    testkit::sigstop(a.id());
     let t2 = wait_role(&http_b, "leader").await["token"].as_u64().expect("token");
     assert!(t2 > t);
     // Empty the pipe while `a` is frozen: that is what it wrote before the freeze.

@@ -266,6 +266,10 @@ impl Probe {
         Self { child, lines }
     }
     fn signal(&self, sig: &str) {
+        if sig == "-STOP" {
+            testkit::sigstop(self.child.id());
+            return;
+        }
         assert!(Command::new("kill").args([sig, &self.child.id().to_string()]).status().expect("kill").success());
     }
     fn lines(&self) -> Vec<String> {

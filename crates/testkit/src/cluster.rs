@@ -100,7 +100,9 @@ impl Replica {
 
     /// SIGSTOP: a frozen process that still holds its sockets.
     pub fn sigstop(&self) {
-        self.signal("-STOP");
+        if let Some(pid) = self.pid() {
+            crate::sigstop(pid);
+        }
     }
 
     /// SIGCONT.

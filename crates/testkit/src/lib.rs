@@ -139,6 +139,34 @@ pub fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
     out
 }
 
+/// SIGSTOP `pid` and wait until every one of its threads is stopped. `kill` returns once
+/// the signal is queued: the thread chosen to take it may wait for a CPU while another
+/// thread of the process (woken by a request) still runs and answers, which made a
+/// "paused" server answer a test's read on a loaded machine. Linux only (`/proc`); gives
+/// up waiting after 5 s (the caller's assertions then say what went on running).
+///
+/// # Panics
+/// When the signal cannot be sent.
+pub fn sigstop(pid: u32) {
+    let ok = Command::new("kill").args(["-STOP", &pid.to_string()]).status().is_ok_and(|s| s.success());
+    assert!(ok, "kill -STOP {pid}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && !all_threads_stopped(pid) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// True when every thread of `pid` is stopped (state `T` or `t` in its `stat`), or the
+/// process is gone.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
+    tasks.flatten().all(|t| {
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // The state follows the command name's closing parenthesis.
+        stat.rsplit_once(')').is_none_or(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('T' | 't')))
+    })
+}
+
 /// A server's child process: what every server below signals, kills and reaps alike.
 #[derive(Default)]
 struct ServerProc(Option<Child>);
@@ -146,7 +174,9 @@ struct ServerProc(Option<Child>);
 impl ServerProc {
     /// Sends `sig` (e.g. `-STOP`) to the process, if running.
     fn signal(&self, sig: &str, what: &str) {
-        if let Some(c) = &self.0 {
+        if let (Some(c), "-STOP") = (&self.0, sig) {
+            sigstop(c.id());
+        } else if let Some(c) = &self.0 {
             let ok = Command::new("kill").args([sig, &c.id().to_string()]).status().is_ok_and(|s| s.success());
             assert!(ok, "kill {sig} {what}");
         }
@@ -609,6 +639,12 @@ impl NatsServer {
     pub async fn connect(&self, op_timeout: Duration) -> nats_op::Nats {
         let cfg = nats_op::NatsConfig { url: self.url(), creds_file: None, ca_file: None, token: None, op_timeout };
         nats_op::Nats::connect(&cfg).await.expect("connect")
+    }
+
+    /// The process id (0 when not running).
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
     }
 
     /// SIGSTOP: the server keeps its sockets but answers nothing.

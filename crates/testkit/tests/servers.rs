@@ -61,3 +61,42 @@ fn a_server_whose_port_is_taken_is_not_taken_for_the_one_answering_there() {
     assert!(testkit::PgServer::start_on(pg.port()).is_none(), "postgres: the other server was taken for this one");
     let _ = (redis, nats, pg);
 }
+
+/// Every thread of the process is stopped when `sigstop` returns, even on a machine
+/// whose CPUs are busy (there the thread chosen to take the signal may wait for a CPU
+/// while another thread still runs and answers: a "paused" NATS server answered a read).
+#[test]
+fn a_paused_server_has_every_thread_stopped_when_pause_returns() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let busy = std::sync::Arc::new(AtomicBool::new(true));
+    let spinners: Vec<_> = (0..4)
+        .map(|_| {
+            let busy = busy.clone();
+            std::thread::spawn(move || {
+                while busy.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let nats = testkit::NatsServer::start();
+    let mut running_after_pause = 0;
+    for _ in 0..30 {
+        nats.pause();
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", nats.pid())).expect("proc");
+        let states: Vec<char> = tasks
+            .flatten()
+            .filter_map(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+                stat.rsplit_once(')')?.1.trim_start().chars().next()
+            })
+            .collect();
+        running_after_pause += states.iter().filter(|c| !matches!(c, 'T' | 't')).count();
+        nats.resume();
+    }
+    busy.store(false, Ordering::Relaxed);
+    for s in spinners {
+        s.join().expect("spinner");
+    }
+    assert_eq!(running_after_pause, 0, "threads still running after pause() returned");
+}
