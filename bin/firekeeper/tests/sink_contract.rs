@@ -12,7 +12,10 @@
 //! - **a record the downstream cannot store as is** (a NUL character in a handle): nothing
 //!   stalls; Postgres keeps it as text, a webhook that refuses it (HTTP 400) gets it as
 //!   `#invalid` (`unstorable`) under `FIREKEEPER_BAD_FRAME=skip` (a stream of retries
-//!   stalled everything before).
+//!   stalled everything before);
+//! - **the downstream refused every write for a while** (a webhook receiver answering 401
+//!   or 400 to everything, Postgres refusing the sink's role): every event is stored as
+//!   itself, nothing is taken for a bad record.
 //!
 //! What each sink promises (README, "Sinks"): Postgres and JetStream store each event
 //! once; jsonl and the webhook at least once (a crash repeats what the last commit did
@@ -56,6 +59,8 @@ enum HookMode {
     Down,
     /// A batch holding this seq as itself gets HTTP 400.
     Refuse(u64),
+    /// Every request gets this status (401: credentials; 400: a receiver broken for a while).
+    Answer(u16),
 }
 
 /// A webhook receiver that keeps the bodies it accepted.
@@ -82,10 +87,11 @@ impl Hook {
                         let mode = *m.lock().expect("mode");
                         let status = match mode {
                             HookMode::Down => return,
-                            HookMode::Refuse(seq) if holds_itself(&body, seq) => "400 Bad Request",
+                            HookMode::Refuse(seq) if holds_itself(&body, seq) => "400 Bad Request".into(),
+                            HookMode::Answer(code) => format!("{code} Refused"),
                             _ => {
                                 b.lock().expect("bodies").push(body);
-                                "200 OK"
+                                "200 OK".into()
                             }
                         };
                         let head = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n");
@@ -367,6 +373,61 @@ async fn the_downstream_restarted(sink: Sink) {
     assert_holds(sink, &down.stored().await, &served(&frames));
 }
 
+/// The downstream refuses every write for 3 s while the relay serves 300 events a second:
+/// the webhook's receiver answers `code` to every request (401: its credentials changed;
+/// 400: a broken deploy), Postgres refuses the sink's role (`NOLOGIN`, its connections
+/// ended). Under `FIREKEEPER_BAD_FRAME=skip` nothing may be taken for a bad record: every
+/// event is stored as itself (a webhook answering 401 had every event of those seconds
+/// handed over as `#invalid` and, refused again, dropped).
+async fn the_downstream_refused_every_write_for_a_while(sink: Sink, code: u16) {
+    let frames = testkit::fixture_frames();
+    let relay = RelaySim::start_with(
+        frames.clone(),
+        SimConfig { initial_head: Some(0), rate: Some(300), ..SimConfig::default() },
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let dir = tmpdir(&format!("contract-refusing-{sink:?}-{code}"));
+    let down = Downstream::start(sink, &dir).await;
+    let admin = down.pg.as_ref().map(|pg| {
+        let url = pg.url();
+        let sink_role = url.replace("postgres://postgres@", "postgres://fksink@");
+        (url, sink_role)
+    });
+    let mut extra = vec![("FIREKEEPER_BAD_FRAME", "skip")];
+    if let Some((url, sink_role)) = &admin {
+        pg_exec(url, "CREATE ROLE fksink LOGIN SUPERUSER").await;
+        extra.push(("DATABASE_URL", sink_role.as_str()));
+    }
+    let run = Run::start(&relay, &down, &extra);
+    run.committed(300, "300 committed").await;
+    if let Some(h) = &down.hook {
+        h.set(HookMode::Answer(code));
+    }
+    if let Some((url, _)) = &admin {
+        pg_exec(url, "ALTER ROLE fksink NOLOGIN").await;
+        pg_exec(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'fksink'").await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    if let Some(h) = &down.hook {
+        h.set(HookMode::Up);
+    }
+    if let Some((url, _)) = &admin {
+        pg_exec(url, "ALTER ROLE fksink LOGIN").await;
+    }
+    run.committed(frames.len() as u64, "every event committed after the refusals").await;
+    run.stop();
+    assert_holds(sink, &down.stored().await, &served(&frames));
+}
+
+/// Runs one statement as the superuser.
+async fn pg_exec(url: &str, sql: &str) {
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    c.batch_execute(sql).await.expect(sql);
+}
+
 /// The fixture with an `#identity` whose handle holds a NUL character at seq 700.
 fn with_poison() -> Vec<Bytes> {
     let mut frames = testkit::fixture_frames();
@@ -403,11 +464,11 @@ async fn a_record_the_downstream_cannot_store(sink: Sink) {
 }
 
 macro_rules! contract {
-    ($($name:ident: $scenario:ident($sink:expr);)*) => {
+    ($($name:ident: $scenario:ident($($arg:expr),*);)*) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                $scenario($sink).await;
+                $scenario($($arg),*).await;
             }
         )*
     };
@@ -423,6 +484,9 @@ contract! {
     restarted_webhook: the_downstream_restarted(Sink::Webhook);
     restarted_postgres: the_downstream_restarted(Sink::Postgres);
     restarted_jetstream: the_downstream_restarted(Sink::JetStream);
+    refusing_credentials_webhook: the_downstream_refused_every_write_for_a_while(Sink::Webhook, 401);
+    refusing_everything_webhook: the_downstream_refused_every_write_for_a_while(Sink::Webhook, 400);
+    refusing_credentials_postgres: the_downstream_refused_every_write_for_a_while(Sink::Postgres, 0);
     poison_jsonl_file: a_record_the_downstream_cannot_store(Sink::JsonlFile);
     poison_jsonl_stdout: a_record_the_downstream_cannot_store(Sink::JsonlStdout);
     poison_webhook: a_record_the_downstream_cannot_store(Sink::Webhook);

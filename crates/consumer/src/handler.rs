@@ -81,6 +81,11 @@ impl Event {
         self.invalid = Some(Box::new(i));
     }
 
+    /// Hands the event over as itself again (after [`Event::set_invalid`]).
+    pub(crate) fn clear_invalid(&mut self) {
+        self.invalid = None;
+    }
+
     /// The repo the event is about; events of one repo reach the handler in seq order.
     #[must_use]
     pub fn did(&self) -> Option<&str> {

@@ -450,7 +450,7 @@ impl Lane {
 
     /// One event the downstream refuses: under the `fail` policy the consumer stops
     /// (everything before it committed); under `skip` it is handed over as `#invalid`
-    /// (`unstorable`), and dropped, counted, if even that is refused.
+    /// (`unstorable`), written again until taken if even that is refused.
     async fn unstorable(&self, e: &mut Event, scratch: &mut String) -> Result<(), HandlerError> {
         metrics::counter!(m::UNSTORABLE).increment(1);
         let seq = e.seq();
@@ -469,16 +469,40 @@ impl Lane {
             m => (m.did().unwrap_or_default().to_owned(), None, None),
         };
         let detail = "the sink refused the event for its content".to_owned();
-        e.set_invalid(Invalid { repo, rev, commit, reason: crate::verify::Reason::Unstorable, detail });
+        let invalid = Invalid { repo, rev, commit, reason: crate::verify::Reason::Unstorable, detail };
+        // A downstream that refuses even the small placeholder refuses more than a record
+        // (a receiver answering 400 to everything for a while): dropping would lose every
+        // event it refuses. The event and its placeholder are offered in turn, with
+        // backoff, until one of them is taken.
+        let mut backoff = Backoff::new(RETRY);
+        loop {
+            e.set_invalid(invalid.clone());
+            self.rerender(e, scratch);
+            let source = match self.write_whole(std::slice::from_ref(e)).await {
+                Err(HandlerError::Refused { source, .. }) => source,
+                r => return r,
+            };
+            let refused = HandlerError::failed(
+                "sink",
+                format!(
+                    "the downstream refuses even the #invalid placeholder of seq {seq} ({source}): it refuses \
+                     more than this record; offering the event and its placeholder again"
+                ),
+            );
+            self.back_off(&refused, &mut backoff, 1).await?;
+            e.clear_invalid();
+            self.rerender(e, scratch);
+            match self.write_whole(std::slice::from_ref(e)).await {
+                Err(HandlerError::Refused { .. }) => {}
+                r => return r,
+            }
+        }
+    }
+
+    /// Renders the event's JSON again (after it became, or stopped being, `#invalid`).
+    fn rerender(&self, e: &mut Event, scratch: &mut String) {
         if let Some(r) = &self.render {
             render_batch(std::slice::from_mut(e), r, scratch);
-        }
-        match self.write_whole(std::slice::from_ref(e)).await {
-            Err(HandlerError::Refused { .. }) => {
-                tracing::error!(seq, "the downstream refuses even the #invalid event: dropped");
-                Ok(())
-            }
-            r => r,
         }
     }
 

@@ -237,6 +237,14 @@ fn redact_location(l: &str) -> String {
     }
 }
 
+/// A webhook answer that refuses a batch for what it holds (400 Bad Request, 413 Payload
+/// Too Large, 422 Unprocessable Content): the batch is then written in halves to find the
+/// events it refuses. Every other 4xx is about the request and is retried.
+#[must_use]
+pub fn refuses_content(status: u16) -> bool {
+    matches!(status, 400 | 413 | 422)
+}
+
 #[async_trait]
 impl Handler for Webhook {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
@@ -264,9 +272,22 @@ impl Handler for Webhook {
                     resp.headers().get("location").and_then(|l| l.to_str().ok()).map(redact_location)
                 ),
             ))
-        } else if status.is_client_error() && ![408, 425, 429].contains(&status.as_u16()) {
+        } else if refuses_content(status.as_u16()) {
             // The receiver refuses this batch for what it holds: it would every time.
             Err(HandlerError::refused("webhook", format!("answered HTTP {}", status.as_u16())))
+        } else if status.is_client_error() {
+            // 401, 403, 404, 405, 409, 415 …: the request, not its content (credentials, the
+            // address, a receiver being deployed). Every batch would get it: retried, never
+            // taken for a bad record, or a misconfigured receiver would turn the whole
+            // stream into `#invalid` placeholders.
+            Err(HandlerError::failed(
+                "webhook",
+                format!(
+                    "answered HTTP {}: the receiver refuses the request itself, not a record (check \
+                     FIREKEEPER_WEBHOOK_URL and what the receiver expects)",
+                    status.as_u16()
+                ),
+            ))
         } else {
             Err(HandlerError::failed("webhook", format!("answered HTTP {}", status.as_u16())))
         }

@@ -635,3 +635,44 @@ async fn more_unread_acknowledgements_than_the_clients_default_bound_do_not_stal
     assert_eq!(stream_messages(&nats).await.len(), 1000, "the same events six times, stored once");
     lease.abandon().await;
 }
+
+/// A webhook answer is taken as refusing a record only for 400, 413 and 422; every other
+/// 4xx (credentials, address, method, media type, conflict) is a failure retried, so a
+/// misconfigured receiver never turns events into `#invalid` placeholders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_400_413_and_422_are_taken_as_refusing_a_record() {
+    use tokio::io::AsyncWriteExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let status = Arc::new(AtomicU64::new(200));
+    let answer = status.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                while testkit::http::read_request(&mut s, &mut pending).await.is_some() {
+                    let code = answer.load(Ordering::SeqCst);
+                    let head = format!("HTTP/1.1 {code} X\r\ncontent-length: 0\r\n\r\n");
+                    if s.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let dir = testkit::tmpdir("sink-statuses");
+    let (h, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let sink = Webhook::new(&url, 10, Duration::from_secs(5)).expect("client");
+    for code in [400u16, 401, 403, 404, 405, 408, 409, 410, 413, 415, 422, 425, 429, 500, 503] {
+        status.store(u64::from(code), Ordering::SeqCst);
+        let err = sink.handle(&events(1), &ctx).await.expect_err("not a 2xx");
+        let refused = matches!(err, HandlerError::Refused { .. });
+        assert_eq!(refused, [400, 413, 422].contains(&code), "HTTP {code}: {err}");
+        assert!(refused || matches!(err, HandlerError::Failed { .. }), "HTTP {code}: {err}");
+    }
+    status.store(200, Ordering::SeqCst);
+    sink.handle(&events(1), &ctx).await.expect("a 2xx");
+    h.abandon().await;
+}
