@@ -13,6 +13,8 @@
 //!   stalls; Postgres keeps it as text, a webhook that refuses it (HTTP 400) gets it as
 //!   `#invalid` (`unstorable`) under `FIREKEEPER_BAD_FRAME=skip` (a stream of retries
 //!   stalled everything before);
+//! - **a huge record** (1.5 MiB): stored, or refused by JetStream (above its server's
+//!   `max_payload`) and handed over as `#invalid` (`unstorable`) instead of retried for ever;
 //! - **the downstream refused every write for a while** (a webhook receiver answering 401
 //!   or 400 to everything, Postgres refusing the sink's role): every event is stored as
 //!   itself, nothing is taken for a bad record.
@@ -428,15 +430,42 @@ async fn pg_exec(url: &str, sql: &str) {
     c.batch_execute(sql).await.expect(sql);
 }
 
-/// The fixture with an `#identity` whose handle holds a NUL character at seq 700.
-fn with_poison() -> Vec<Bytes> {
+/// The fixture with an `#identity` at seq 700 whose handle is `handle`.
+fn with_identity(handle: &str) -> Vec<Bytes> {
     let mut frames = testkit::fixture_frames();
     let mut w = relay_client::cbor::Writer::new();
     w.map(2).str("t").str("#identity").str("op").int(1);
     w.map(4).str("did").str("did:plc:nulnulnulnulnulnulnulnul").str("seq").int(700);
-    w.str("time").str("2026-12-02T10:18:24.747Z").str("handle").str("bad\u{0}handle.test");
+    w.str("time").str("2026-12-02T10:18:24.747Z").str("handle").str(handle);
     frames.insert(699, Bytes::from(w.buf));
     relay_sim::reseq(&frames, 0, 1, 0)
+}
+
+/// The fixture with an `#identity` whose handle holds a NUL character at seq 700.
+fn with_poison() -> Vec<Bytes> {
+    with_identity("bad\u{0}handle.test")
+}
+
+/// An event of 1.5 MiB (a handle that long) at seq 700: larger than a NATS server takes
+/// in one message by default (1 MiB). Every sink stores it but JetStream, which refuses
+/// it: handed over as `#invalid` (`unstorable`) under `FIREKEEPER_BAD_FRAME=skip` (the
+/// sink retried its publish for ever before, and every lane behind it waited).
+async fn a_huge_record(sink: Sink) {
+    let frames = with_identity(&"h".repeat(3 << 19));
+    let relay = RelaySim::start_with(frames.clone(), SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("sim");
+    let dir = tmpdir(&format!("contract-huge-{sink:?}"));
+    let down = Downstream::start(sink, &dir).await;
+    let run = Run::start(&relay, &down, &[("FIREKEEPER_BAD_FRAME", "skip")]);
+    run.committed(frames.len() as u64, "every event committed past the huge record").await;
+    run.stop();
+    let mut want = served(&frames);
+    if sink == Sink::JetStream {
+        let i = want.iter().position(|w| w.0 == 700).expect("the huge record");
+        want[i].1 = "#invalid did:plc:nulnulnulnulnulnulnulnul 700 unstorable".into();
+    }
+    assert_holds(sink, &down.stored().await, &want);
 }
 
 /// A record with a NUL character: Postgres cannot keep it as jsonb, and the test webhook
@@ -493,4 +522,8 @@ contract! {
     poison_postgres: a_record_the_downstream_cannot_store(Sink::Postgres);
     poison_jetstream: a_record_the_downstream_cannot_store(Sink::JetStream);
     poison_null: a_record_the_downstream_cannot_store(Sink::Null);
+    huge_jsonl_file: a_huge_record(Sink::JsonlFile);
+    huge_webhook: a_huge_record(Sink::Webhook);
+    huge_postgres: a_huge_record(Sink::Postgres);
+    huge_jetstream: a_huge_record(Sink::JetStream);
 }

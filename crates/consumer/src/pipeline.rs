@@ -322,7 +322,13 @@ impl Lane {
                                 held += batch.len();
                                 inflight.push_back(InFlight { batch, seqs, pending });
                             }
-                            Err(HandlerError::Refused { .. }) if inflight.is_empty() => {
+                            Err(HandlerError::Refused { .. }) => {
+                                // What was submitted before it is durable first: the
+                                // halves are then written alone, in order.
+                                held = 0;
+                                if !self.drain(&mut inflight, &done).await {
+                                    return;
+                                }
                                 let r = Box::pin(self.isolate(&mut batch, &mut scratch, &mut seqs)).await;
                                 // What was written before a stop counts.
                                 let _ = done.send(Ok(seqs));
@@ -339,11 +345,8 @@ impl Lane {
                     }
                     if let Some(s) = stop {
                         // Everything before the invalid event is handed over first.
-                        while let Some(mut f) = inflight.pop_front() {
-                            let r = f.pending.as_mut().await;
-                            if !self.finish(f, r, &done).await {
-                                return;
-                            }
+                        if !self.drain(&mut inflight, &done).await {
+                            return;
                         }
                         let _ = done.send(Err(LaneStop::Invalid(Box::new(s))));
                         return;
@@ -352,12 +355,18 @@ impl Lane {
             }
         }
         // The queue closed: finish what is in flight.
+        self.drain(&mut inflight, &done).await;
+    }
+
+    /// Finishes every write in flight, oldest first; `false` when the lane must stop.
+    async fn drain(&self, inflight: &mut VecDeque<InFlight>, done: &mpsc::UnboundedSender<Done>) -> bool {
         while let Some(mut f) = inflight.pop_front() {
             let r = f.pending.as_mut().await;
-            if !self.finish(f, r, &done).await {
-                return;
+            if !self.finish(f, r, done).await {
+                return false;
             }
         }
+        true
     }
 
     /// Reports a finished write: done when it is durable (a failed one is written again

@@ -133,10 +133,18 @@ async fn recreate(nats: &Nats, config: &stream::Config) {
     }
 }
 
-/// A publish's failure: the stream is missing, or anything else (retried as it is).
+/// A publish's failure: the stream is missing, the event is larger than the server takes
+/// (`max_payload`, 1 MiB by default: refused for its content, so the lane isolates it
+/// instead of retrying for ever), or anything else (retried as it is).
 fn publish_failure(what: &str, err: &jetstream::context::PublishError) -> Failure {
-    if err.kind() == jetstream::context::PublishErrorKind::StreamNotFound {
+    use jetstream::context::PublishErrorKind;
+    if err.kind() == PublishErrorKind::StreamNotFound {
         Failure::Missing
+    } else if err.kind() == PublishErrorKind::MaxPayloadExceeded {
+        Failure::Handler(HandlerError::refused(
+            format!("jetstream {what}"),
+            format!("{err} (raise the server's max_payload to store events this large)"),
+        ))
     } else {
         Failure::Handler(HandlerError::failed(format!("jetstream {what}"), err.to_string()))
     }
