@@ -13,6 +13,8 @@
 //!   stalls; Postgres keeps it as text, a webhook that refuses it (HTTP 400) gets it as
 //!   `#invalid` (`unstorable`) under `FIREKEEPER_BAD_FRAME=skip` (a stream of retries
 //!   stalled everything before);
+//! - **the downstream gone longer than a write's timeout** (killed for 8 s; a webhook
+//!   answering after its timeout for 4 s): every event stored, once where promised;
 //! - **a huge record** (1.5 MiB): stored, or refused by JetStream (above its server's
 //!   `max_payload`) and handed over as `#invalid` (`unstorable`) instead of retried for ever;
 //! - **the downstream refused every write for a while** (a webhook receiver answering 401
@@ -63,6 +65,8 @@ enum HookMode {
     Refuse(u64),
     /// Every request gets this status (401: credentials; 400: a receiver broken for a while).
     Answer(u16),
+    /// Every request is kept and answered 200 only after 1.5 s (past the sink's timeout).
+    Slow,
 }
 
 /// A webhook receiver that keeps the bodies it accepted.
@@ -91,6 +95,11 @@ impl Hook {
                             HookMode::Down => return,
                             HookMode::Refuse(seq) if holds_itself(&body, seq) => "400 Bad Request".into(),
                             HookMode::Answer(code) => format!("{code} Refused"),
+                            HookMode::Slow => {
+                                b.lock().expect("bodies").push(body);
+                                tokio::time::sleep(Duration::from_millis(1500)).await;
+                                "200 OK".into()
+                            }
                             _ => {
                                 b.lock().expect("bodies").push(body);
                                 "200 OK".into()
@@ -430,6 +439,41 @@ async fn pg_exec(url: &str, sql: &str) {
     c.batch_execute(sql).await.expect(sql);
 }
 
+/// The downstream is gone for 8 s, longer than a write's timeout, while the relay serves
+/// 300 events a second: Postgres and NATS killed and started again after it, the
+/// webhook's receiver answering only after 1.5 s (its timeout set to 1 s) for 4 s. Every
+/// event is stored, once where the sink promises it.
+async fn the_downstream_was_gone_longer_than_a_write_timeout(sink: Sink) {
+    let frames = testkit::fixture_frames();
+    let relay = RelaySim::start_with(
+        frames.clone(),
+        SimConfig { initial_head: Some(0), rate: Some(300), ..SimConfig::default() },
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let dir = tmpdir(&format!("contract-gone-{sink:?}"));
+    let mut down = Downstream::start(sink, &dir).await;
+    let run = Run::start(&relay, &down, &[("FIREKEEPER_WEBHOOK_TIMEOUT_MS", "1000")]);
+    run.committed(300, "300 committed").await;
+    match sink {
+        Sink::Postgres => down.pg.as_mut().expect("pg").kill(),
+        Sink::JetStream => down.nats.as_mut().expect("nats").kill(),
+        Sink::Webhook => down.hook.as_ref().expect("hook").set(HookMode::Slow),
+        Sink::JsonlFile | Sink::JsonlStdout | Sink::Null => {}
+    }
+    tokio::time::sleep(Duration::from_secs(if sink == Sink::Webhook { 4 } else { 8 })).await;
+    match sink {
+        Sink::Postgres => down.pg.as_mut().expect("pg").restart(),
+        Sink::JetStream => down.nats.as_mut().expect("nats").restart(),
+        Sink::Webhook => down.hook.as_ref().expect("hook").set(HookMode::Up),
+        Sink::JsonlFile | Sink::JsonlStdout | Sink::Null => {}
+    }
+    run.committed(frames.len() as u64, "every event committed after the outage").await;
+    run.stop();
+    assert_holds(sink, &down.stored().await, &served(&frames));
+}
+
 /// The fixture with an `#identity` at seq 700 whose handle is `handle`.
 fn with_identity(handle: &str) -> Vec<Bytes> {
     let mut frames = testkit::fixture_frames();
@@ -513,6 +557,9 @@ contract! {
     restarted_webhook: the_downstream_restarted(Sink::Webhook);
     restarted_postgres: the_downstream_restarted(Sink::Postgres);
     restarted_jetstream: the_downstream_restarted(Sink::JetStream);
+    gone_webhook: the_downstream_was_gone_longer_than_a_write_timeout(Sink::Webhook);
+    gone_postgres: the_downstream_was_gone_longer_than_a_write_timeout(Sink::Postgres);
+    gone_jetstream: the_downstream_was_gone_longer_than_a_write_timeout(Sink::JetStream);
     refusing_credentials_webhook: the_downstream_refused_every_write_for_a_while(Sink::Webhook, 401);
     refusing_everything_webhook: the_downstream_refused_every_write_for_a_while(Sink::Webhook, 400);
     refusing_credentials_postgres: the_downstream_refused_every_write_for_a_while(Sink::Postgres, 0);
