@@ -56,53 +56,40 @@ impl FileStore {
         .map_err(|e| StoreError::Unavailable(format!("file store task: {e}")))?
     }
 
-    /// Commits `cursor` with the relay time at it, and records the active relay.
-    pub async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        holder: &str,
-    ) -> Result<CommitOutcome, StoreError> {
-        let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
-        self.blocking(move |f| {
-            let out = f.commit_locked(&fingerprint, cursor, &holder)?;
-            if out == CommitOutcome::Saved {
-                match time_ms {
-                    Some(t) => f.write_file(&format!("time-{fingerprint}"), &t.to_string())?,
-                    None => f.forget_time(&fingerprint)?,
+    /// The one fenced cursor write ([`crate::CursorStore::write`]), as lease holder
+    /// `holder` (`<instance>:<token>`, the whole value of the lease file): a saved advance
+    /// keeps the relay time and records the active relay; a rewind may lower the cursor
+    /// and forgets the time.
+    async fn put(&self, w: crate::Write<'_>, holder: &str) -> Result<CommitOutcome, StoreError> {
+        cursor::check(w.cursor)?;
+        let (fingerprint, holder) = (w.fingerprint.to_owned(), holder.to_owned());
+        let crate::Write { cursor, time_ms, kind, .. } = w;
+        self.blocking(move |f| match kind {
+            crate::WriteKind::Advance => {
+                let out = f.commit_locked(&fingerprint, cursor, &holder)?;
+                if out == CommitOutcome::Saved {
+                    match time_ms {
+                        Some(t) => f.write_file(&format!("time-{fingerprint}"), &t.to_string())?,
+                        None => f.forget_time(&fingerprint)?,
+                    }
+                    f.write_file("active-relay", &fingerprint)?;
                 }
-                f.write_file("active-relay", &fingerprint)?;
+                Ok(out)
             }
-            Ok(out)
-        })
-        .await
-    }
-
-    /// Commits `cursor` as lease holder `holder` (`<instance>:<token>`, the whole value
-    /// of the lease file).
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
-        self.blocking(move |f| f.commit_locked(&fingerprint, cursor, &holder)).await
-    }
-
-    /// A fenced rewind: sets the cursor even if lower, as lease holder `holder`.
-    pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        cursor::check(cursor)?;
-        let (fingerprint, holder) = (fingerprint.to_owned(), holder.to_owned());
-        self.blocking(move |f| {
-            if let Some(out) = f.fenced(&holder)? {
-                return Ok(out);
+            crate::WriteKind::Rewind => {
+                if let Some(out) = f.fenced(&holder)? {
+                    return Ok(out);
+                }
+                f.replace(&fingerprint, cursor)?;
+                f.forget_time(&fingerprint)?;
+                Ok(CommitOutcome::Saved)
             }
-            f.replace(&fingerprint, cursor)?;
-            f.forget_time(&fingerprint)?;
-            Ok(CommitOutcome::Saved)
         })
         .await
     }
 
     /// Operator override (`firekeeper cursor set`).
-    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+    async fn force_cursor(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;
         let fingerprint = fingerprint.to_owned();
         self.blocking(move |f| {
@@ -294,10 +281,7 @@ impl crate::CursorStore for FileStore {
     }
 
     async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        match w.kind {
-            crate::WriteKind::Advance => Self::commit_at(self, w.fingerprint, w.cursor, w.time_ms, fence.holder).await,
-            crate::WriteKind::Rewind => Self::reset(self, w.fingerprint, w.cursor, fence.holder).await,
-        }
+        self.put(w, fence.holder).await
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
@@ -310,7 +294,7 @@ impl crate::CursorStore for FileStore {
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
-        Self::force(self, fingerprint, cursor).await
+        self.force_cursor(fingerprint, cursor).await
     }
 }
 

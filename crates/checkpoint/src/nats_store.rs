@@ -166,29 +166,17 @@ impl NatsStore {
         Err(StoreError::Unavailable("fence-seen kept changing while raising it".into()))
     }
 
-    /// The fenced write behind commit, reset and `commit_at`.
-    async fn put(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        token: u64,
-        reset: bool,
-    ) -> Result<CommitOutcome, StoreError> {
-        self.write_with(fingerprint, cursor, time_ms, token, reset, async {}).await
-    }
-
-    /// [`Self::write`], running `between` once, after the checks and before the first
-    /// compare-and-set: where a newer term's claim can interleave (tests use it).
+    /// The one fenced cursor write ([`crate::CursorStore::write`]), running `between`
+    /// once, after the checks and before the first compare-and-set: where a newer term's
+    /// claim can interleave (tests use it). A saved advance records the active relay.
     async fn write_with(
         &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
+        w: crate::Write<'_>,
         token: u64,
-        reset: bool,
         between: impl std::future::Future<Output = ()>,
     ) -> Result<CommitOutcome, StoreError> {
+        let crate::Write { fingerprint, cursor, time_ms, kind } = w;
+        let reset = kind == crate::WriteKind::Rewind;
         cursor::check(cursor)?;
         let mut between = Some(between);
         let key = Self::key(fingerprint);
@@ -212,6 +200,9 @@ impl NatsStore {
             }
             let value = Stored { cursor: Some(cursor), token, time_ms, reset }.encode();
             if self.cas(key.clone(), value, current.map(|(_, r)| r)).await? {
+                if !reset {
+                    self.set_active(fingerprint, token).await?;
+                }
                 return Ok(CommitOutcome::Saved);
             }
         }
@@ -294,31 +285,6 @@ impl NatsStore {
         }
         Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while claiming it")))
     }
-
-    /// Commits `cursor` under the fence's token: never backwards.
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        self.put(fingerprint, cursor, None, fence.token, false).await
-    }
-
-    /// A fenced rewind: sets the cursor even if lower.
-    pub async fn reset(&self, fingerprint: &str, cursor: u64, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        self.put(fingerprint, cursor, None, fence.token, true).await
-    }
-
-    /// [`Self::commit`] keeping the relay time at the cursor and recording the active relay.
-    pub async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        fence: Fence<'_>,
-    ) -> Result<CommitOutcome, StoreError> {
-        let out = self.put(fingerprint, cursor, time_ms, fence.token, false).await?;
-        if out == CommitOutcome::Saved {
-            self.set_active(fingerprint, fence.token).await?;
-        }
-        Ok(out)
-    }
 }
 
 #[async_trait]
@@ -366,10 +332,7 @@ impl crate::CursorStore for NatsStore {
     }
 
     async fn write(&self, w: crate::Write<'_>, fence: Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        match w.kind {
-            crate::WriteKind::Advance => self.commit_at(w.fingerprint, w.cursor, w.time_ms, fence).await,
-            crate::WriteKind::Rewind => self.reset(w.fingerprint, w.cursor, fence).await,
-        }
+        self.write_with(w, fence.token, async {}).await
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
@@ -443,11 +406,12 @@ mod tests {
         let fp = "ab".repeat(32);
         let keys = [RelayKey { fingerprint: &fp, host_port: "r:443", is_root: true }];
         s.on_elected(Fence { holder: "a:1", token: 1 }, &keys).await.expect("a claims");
-        assert_eq!(s.commit(&fp, 10, Fence { holder: "a:1", token: 1 }).await, Ok(CommitOutcome::Saved));
+        let advance = crate::Write::advance(&fp, 10, None);
+        assert_eq!(s.write(advance, Fence { holder: "a:1", token: 1 }).await, Ok(CommitOutcome::Saved));
         let claim = async {
             s.on_elected(Fence { holder: "b:2", token: 2 }, &keys).await.expect("b claims");
         };
-        let out = s.write_with(&fp, 20, None, 1, false, claim).await;
+        let out = s.write_with(crate::Write::advance(&fp, 20, None), 1, claim).await;
         assert_eq!(out, Ok(CommitOutcome::Fenced { current: Some(2) }));
         assert_eq!(s.read(&fp).await, Ok(ReadOutcome::Found(10)), "the stale write did not land");
     }

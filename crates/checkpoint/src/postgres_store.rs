@@ -1,5 +1,5 @@
 //! The Postgres cursor store, for deployments whose sink writes to the same database:
-//! rows and cursor then commit in one transaction ([`PostgresStore::commit_in`]).
+//! rows and cursor then commit in one transaction ([`PostgresStore::write_in`]).
 //!
 //! Postgres does not see the Redis lease, so fencing here is the classic fencing-token
 //! rule: the store remembers the highest token presented and refuses any lower one. A new
@@ -167,32 +167,10 @@ impl PostgresStore {
         Ok(Self { conn, op_timeout })
     }
 
-    /// Reads a relay's cursor.
-    pub async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
-        within(self.op_timeout, async {
-            let c = self.conn.client().await?;
-            let row = c
-                .query_opt("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
-                .await
-                .map_err(|e| pg(&e))?;
-            match row {
-                None => Ok(ReadOutcome::Missing),
-                Some(r) => {
-                    let v: i64 = r.get(0);
-                    Ok(u64::try_from(v)
-                        .ok()
-                        .filter(|&v| v <= cursor::MAX_SEQ)
-                        .map_or_else(|| ReadOutcome::Corrupt(v.to_string()), ReadOutcome::Found))
-                }
-            }
-        })
-        .await
-    }
-
     /// The highest token presented so far (0 when none): the lease seeds its counter with
     /// it at startup, so a lease store that lost its counter cannot issue tokens this
     /// table would refuse.
-    pub async fn fence_token(&self) -> Result<u64, StoreError> {
+    async fn fence_token(&self) -> Result<u64, StoreError> {
         within(self.op_timeout, async {
             let c = self.conn.client().await?;
             let row = c.query_opt("SELECT token FROM firekeeper_fence WHERE id", &[]).await.map_err(|e| pg(&e))?;
@@ -202,79 +180,57 @@ impl PostgresStore {
     }
 
     /// Raises the fence to `token` on election; `Fenced` if a newer term already claimed.
-    pub async fn claim(&self, token: u64) -> Result<CommitOutcome, StoreError> {
+    async fn claim(&self, token: u64) -> Result<CommitOutcome, StoreError> {
         within(self.op_timeout, async {
             let mut c = self.conn.client().await?;
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
-            let out = fence(&tx, token).await?;
+            let out = raise_fence(&tx, token).await?;
             tx.commit().await.map_err(|e| pg(&e))?;
             Ok(out.map_or(CommitOutcome::Saved, |current| CommitOutcome::Fenced { current: Some(current) }))
         })
         .await
     }
 
-    /// Commits `cursor` under `token` in its own transaction.
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
-        self.own_tx(fingerprint, cursor, None, token, false).await
-    }
-
-    /// [`Self::commit_at_in`] in its own transaction.
-    pub async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        token: u64,
-    ) -> Result<CommitOutcome, StoreError> {
-        self.own_tx(fingerprint, cursor, time_ms, token, false).await
-    }
-
-    /// [`Self::commit_at_in`] or [`Self::reset_in`] in a transaction of its own.
-    async fn own_tx(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        token: u64,
-        reset: bool,
-    ) -> Result<CommitOutcome, StoreError> {
-        within(self.op_timeout, async {
-            let mut c = self.conn.client().await?;
-            let tx = c.transaction().await.map_err(|e| pg(&e))?;
-            let out = if reset {
-                Self::reset_in(&tx, fingerprint, cursor, token).await?
-            } else {
-                Self::commit_at_in(&tx, fingerprint, cursor, time_ms, token).await?
-            };
-            tx.commit().await.map_err(|e| pg(&e))?;
-            Ok(out)
-        })
-        .await
-    }
-
-    /// Commits inside the caller's transaction (e.g. with the sink's rows). On `Fenced`
-    /// the caller must roll back: its rows belong to a superseded term.
-    pub async fn commit_in(
+    /// The one fenced cursor write, inside the caller's transaction (the sink's, with its
+    /// rows; or [`crate::CursorStore::write`]'s own). An advance keeps the larger cursor
+    /// and, when saved, records the relay as the one the leader is on; a rewind sets the
+    /// cursor even if lower. The relay time is written with the cursor (NULL: unknown). On
+    /// `Fenced` the caller must roll back: its rows belong to a superseded term.
+    pub async fn write_in(
         tx: &impl GenericClient,
-        fingerprint: &str,
-        cursor: u64,
-        token: u64,
+        w: crate::Write<'_>,
+        fence: crate::Fence<'_>,
     ) -> Result<CommitOutcome, StoreError> {
-        Self::upsert(tx, fingerprint, cursor, None, token, true).await
-    }
-
-    /// [`Self::commit_in`], also keeping the relay time (Unix ms) of the event at `cursor`
-    /// (`None` forgets an older one) and recording `fingerprint` as the relay the leader
-    /// is on — both only when the cursor is saved.
-    pub async fn commit_at_in(
-        tx: &impl GenericClient,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        token: u64,
-    ) -> Result<CommitOutcome, StoreError> {
-        let out = Self::upsert(tx, fingerprint, cursor, time_ms, token, true).await?;
-        if out == CommitOutcome::Saved {
+        let crate::Write { fingerprint, cursor, time_ms, kind } = w;
+        cursor::check(cursor)?;
+        let token = fence.token;
+        if let Some(current) = raise_fence(tx, token).await? {
+            return Ok(CommitOutcome::Fenced { current: Some(current) });
+        }
+        let sql = match kind {
+            crate::WriteKind::Advance => {
+                "INSERT INTO firekeeper_cursors (relay, cursor, token, time_ms) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token,
+                     time_ms = EXCLUDED.time_ms, updated_at = now()
+                 WHERE firekeeper_cursors.cursor < EXCLUDED.cursor"
+            }
+            crate::WriteKind::Rewind => {
+                "INSERT INTO firekeeper_cursors (relay, cursor, token, time_ms) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token,
+                     time_ms = EXCLUDED.time_ms, updated_at = now()"
+            }
+        };
+        let n =
+            tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token), &time_ms]).await.map_err(|e| pg(&e))?;
+        if n == 0 {
+            let stored: i64 = tx
+                .query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
+                .await
+                .map_err(|e| pg(&e))?
+                .get(0);
+            return Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? });
+        }
+        if kind == crate::WriteKind::Advance {
             tx.execute(
                 "INSERT INTO firekeeper_active_relay (id, relay, token) VALUES (true, $1, $2)
                  ON CONFLICT (id) DO UPDATE SET relay = EXCLUDED.relay, token = EXCLUDED.token, updated_at = now()",
@@ -283,106 +239,12 @@ impl PostgresStore {
             .await
             .map_err(|e| pg(&e))?;
         }
-        Ok(out)
-    }
-
-    /// A fenced rewind under `token`: sets the cursor even if lower (an accepted
-    /// `FutureCursor` gap), inside the caller's transaction.
-    pub async fn reset_in(
-        tx: &impl GenericClient,
-        fingerprint: &str,
-        cursor: u64,
-        token: u64,
-    ) -> Result<CommitOutcome, StoreError> {
-        Self::upsert(tx, fingerprint, cursor, None, token, false).await
-    }
-
-    /// The fenced write behind all three: `forward_only` keeps the larger cursor; the
-    /// time is written with the cursor (NULL: unknown).
-    async fn upsert(
-        tx: &impl GenericClient,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        token: u64,
-        forward_only: bool,
-    ) -> Result<CommitOutcome, StoreError> {
-        cursor::check(cursor)?;
-        if let Some(current) = fence(tx, token).await? {
-            return Ok(CommitOutcome::Fenced { current: Some(current) });
-        }
-        let sql = if forward_only {
-            "INSERT INTO firekeeper_cursors (relay, cursor, token, time_ms) VALUES ($1, $2, $3, $4)
-             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token,
-                 time_ms = EXCLUDED.time_ms, updated_at = now()
-             WHERE firekeeper_cursors.cursor < EXCLUDED.cursor"
-        } else {
-            "INSERT INTO firekeeper_cursors (relay, cursor, token, time_ms) VALUES ($1, $2, $3, $4)
-             ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, token = EXCLUDED.token,
-                 time_ms = EXCLUDED.time_ms, updated_at = now()"
-        };
-        let n =
-            tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token), &time_ms]).await.map_err(|e| pg(&e))?;
-        if n == 1 {
-            return Ok(CommitOutcome::Saved);
-        }
-        let stored: i64 = tx
-            .query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
-            .await
-            .map_err(|e| pg(&e))?
-            .get(0);
-        Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? })
-    }
-
-    /// A fenced rewind in its own transaction.
-    pub async fn reset(&self, fingerprint: &str, cursor: u64, token: u64) -> Result<CommitOutcome, StoreError> {
-        self.own_tx(fingerprint, cursor, None, token, true).await
-    }
-
-    /// The relay time kept with a relay's cursor (`None`: stored without one).
-    pub async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
-        within(self.op_timeout, async {
-            let c = self.conn.client().await?;
-            let row = c
-                .query_opt("SELECT time_ms FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
-                .await
-                .map_err(|e| pg(&e))?;
-            Ok(row.and_then(|r| r.get::<_, Option<i64>>(0)))
-        })
-        .await
-    }
-
-    /// The relay the last committing leader was on.
-    pub async fn active_relay(&self) -> Result<Option<String>, StoreError> {
-        within(self.op_timeout, async {
-            let c = self.conn.client().await?;
-            let row =
-                c.query_opt("SELECT relay FROM firekeeper_active_relay WHERE id", &[]).await.map_err(|e| pg(&e))?;
-            Ok(row.map(|r| r.get(0)))
-        })
-        .await
-    }
-
-    /// Operator override (`firekeeper cursor set`).
-    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
-        cursor::check(cursor)?;
-        within(self.op_timeout, async {
-            let c = self.conn.client().await?;
-            c.execute(
-                "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, 0)
-                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, time_ms = NULL, updated_at = now()",
-                &[&fingerprint, &as_i64(cursor)],
-            )
-            .await
-            .map_err(|e| pg(&e))?;
-            Ok(())
-        })
-        .await
+        Ok(CommitOutcome::Saved)
     }
 }
 
 /// Locks the fence row; raises it to `token`, or returns the higher current token.
-async fn fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
+async fn raise_fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
     tx.execute("INSERT INTO firekeeper_fence (id, token) VALUES (true, 0) ON CONFLICT (id) DO NOTHING", &[])
         .await
         .map_err(|e| pg(&e))?;
@@ -416,7 +278,7 @@ impl crate::CursorStore for PostgresStore {
         within(self.op_timeout, async {
             let mut c = self.conn.client().await?;
             let tx = c.transaction().await.map_err(|e| pg(&e))?;
-            if let Some(current) = self::fence(&tx, fence.token).await? {
+            if let Some(current) = raise_fence(&tx, fence.token).await? {
                 return Ok(CommitOutcome::Fenced { current: Some(current) });
             }
             match w.value {
@@ -447,24 +309,73 @@ impl crate::CursorStore for PostgresStore {
     }
 
     async fn read(&self, fingerprint: &str) -> Result<ReadOutcome, StoreError> {
-        Self::read(self, fingerprint).await
+        within(self.op_timeout, async {
+            let c = self.conn.client().await?;
+            let row = c
+                .query_opt("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
+                .await
+                .map_err(|e| pg(&e))?;
+            match row {
+                None => Ok(ReadOutcome::Missing),
+                Some(r) => {
+                    let v: i64 = r.get(0);
+                    Ok(u64::try_from(v)
+                        .ok()
+                        .filter(|&v| v <= cursor::MAX_SEQ)
+                        .map_or_else(|| ReadOutcome::Corrupt(v.to_string()), ReadOutcome::Found))
+                }
+            }
+        })
+        .await
     }
 
     async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        let rewind = w.kind == crate::WriteKind::Rewind;
-        self.own_tx(w.fingerprint, w.cursor, w.time_ms, fence.token, rewind).await
+        within(self.op_timeout, async {
+            let mut c = self.conn.client().await?;
+            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let out = Self::write_in(&tx, w, fence).await?;
+            tx.commit().await.map_err(|e| pg(&e))?;
+            Ok(out)
+        })
+        .await
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
-        Self::read_time(self, fingerprint).await
+        within(self.op_timeout, async {
+            let c = self.conn.client().await?;
+            let row = c
+                .query_opt("SELECT time_ms FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
+                .await
+                .map_err(|e| pg(&e))?;
+            Ok(row.and_then(|r| r.get::<_, Option<i64>>(0)))
+        })
+        .await
     }
 
     async fn active_relay(&self) -> Result<Option<String>, StoreError> {
-        Self::active_relay(self).await
+        within(self.op_timeout, async {
+            let c = self.conn.client().await?;
+            let row =
+                c.query_opt("SELECT relay FROM firekeeper_active_relay WHERE id", &[]).await.map_err(|e| pg(&e))?;
+            Ok(row.map(|r| r.get(0)))
+        })
+        .await
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
-        Self::force(self, fingerprint, cursor).await
+        cursor::check(cursor)?;
+        within(self.op_timeout, async {
+            let c = self.conn.client().await?;
+            c.execute(
+                "INSERT INTO firekeeper_cursors (relay, cursor, token) VALUES ($1, $2, 0)
+                 ON CONFLICT (relay) DO UPDATE SET cursor = EXCLUDED.cursor, time_ms = NULL, updated_at = now()",
+                &[&fingerprint, &as_i64(cursor)],
+            )
+            .await
+            .map_err(|e| pg(&e))?;
+            Ok(())
+        })
+        .await
     }
 
     async fn on_elected(&self, fence: crate::Fence<'_>, _relays: &[crate::RelayKey<'_>]) -> Result<(), StoreError> {

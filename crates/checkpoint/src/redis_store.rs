@@ -181,23 +181,6 @@ impl RedisStore {
         Ok(out)
     }
 
-    /// Commits `cursor` for a relay as lease holder `holder` (`<instance>:<token>`, the
-    /// whole lease value). Never moves the cursor backwards.
-    pub async fn commit(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        self.commit_inner(fingerprint, cursor, None, holder, false).await
-    }
-
-    /// [`RedisStore::commit`] keeping the relay time at the cursor and the active relay.
-    pub async fn commit_at(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        holder: &str,
-    ) -> Result<CommitOutcome, StoreError> {
-        self.commit_inner(fingerprint, cursor, time_ms, holder, false).await
-    }
-
     /// The relay time kept with a cursor.
     pub async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
         self.get_int(format!("{}{fingerprint}", self.keys.time_prefix)).await
@@ -218,21 +201,13 @@ impl RedisStore {
         Ok(raw.and_then(|r| r.parse().ok()))
     }
 
-    /// A fenced rewind: sets the cursor to `cursor` even if it is lower, as lease holder
-    /// `holder`. For a relay whose sequence restarted (an accepted `FutureCursor` gap):
-    /// the monotonic commit would otherwise keep the rejected cursor forever.
-    pub async fn reset(&self, fingerprint: &str, cursor: u64, holder: &str) -> Result<CommitOutcome, StoreError> {
-        self.commit_inner(fingerprint, cursor, None, holder, true).await
-    }
-
-    async fn commit_inner(
-        &self,
-        fingerprint: &str,
-        cursor: u64,
-        time_ms: Option<i64>,
-        holder: &str,
-        reset: bool,
-    ) -> Result<CommitOutcome, StoreError> {
+    /// The one fenced cursor write ([`crate::CursorStore::write`]), as lease holder
+    /// `holder` (`<instance>:<token>`, the whole lease value, compared in the script): an
+    /// advance never moves the cursor backwards; a rewind may (a relay whose sequence
+    /// restarted, an accepted `FutureCursor` gap).
+    async fn put(&self, w: crate::Write<'_>, holder: &str) -> Result<CommitOutcome, StoreError> {
+        let crate::Write { fingerprint, cursor, time_ms, kind } = w;
+        let reset = kind == crate::WriteKind::Rewind;
         cursor::check(cursor)?;
         let token = cursor::holder_token(holder)?;
         let k = &self.keys;
@@ -272,7 +247,7 @@ impl RedisStore {
     }
 
     /// Operator override (`firekeeper cursor set`): writes the cursor unconditionally.
-    pub async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
+    async fn force_cursor(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
         cursor::check(cursor)?;
         let key = self.keys.cursor(fingerprint);
         let time_key = format!("{}{fingerprint}", self.keys.time_prefix);
@@ -390,8 +365,7 @@ impl crate::CursorStore for RedisStore {
     }
 
     async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
-        let rewind = w.kind == crate::WriteKind::Rewind;
-        self.commit_inner(w.fingerprint, w.cursor, w.time_ms, fence.holder, rewind).await
+        self.put(w, fence.holder).await
     }
 
     async fn read_time(&self, fingerprint: &str) -> Result<Option<i64>, StoreError> {
@@ -403,7 +377,7 @@ impl crate::CursorStore for RedisStore {
     }
 
     async fn force(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
-        Self::force(self, fingerprint, cursor).await
+        self.force_cursor(fingerprint, cursor).await
     }
 
     async fn on_elected(&self, _fence: crate::Fence<'_>, relays: &[crate::RelayKey<'_>]) -> Result<(), StoreError> {

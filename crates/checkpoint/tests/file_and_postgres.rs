@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use checkpoint::{CommitOutcome, CursorStore as _, FileStore, PostgresStore, ReadOutcome, StoreError};
+use checkpoint::{CommitOutcome, CursorStore as _, Fence, FileStore, PostgresStore, ReadOutcome, StoreError, Write};
 use testkit::PgServer;
 
 const FP: &str = "0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c";
@@ -11,6 +11,33 @@ const FP: &str = "0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b
 use testkit::tmpdir;
 
 mod seam;
+use seam::Writes as _;
+
+#[tokio::test]
+async fn the_file_write_seam_advances_rewinds_and_fences() {
+    let dir = tmpdir("seam");
+    let lease = dir.join("lease");
+    std::fs::write(&lease, "x:3").expect("lease");
+    let s = FileStore::new(&dir.join("c"), &lease).expect("store");
+    let (current, stale) =
+        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
+    seam::write_contract(&s, current, stale).await;
+    seam::repo_contract(&s, current, stale).await;
+    // A new process reads the log the last one appended.
+    let again = FileStore::new(&dir.join("c"), &lease).expect("store");
+    assert_eq!(checkpoint::CursorStore::repos(&again).await.expect("repos").len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_write_seam_advances_rewinds_and_fences() {
+    let pg = PgServer::start();
+    let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect");
+    assert_eq!(s.claim(3).await, Ok(()));
+    let (current, stale) =
+        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
+    seam::write_contract(&s, current, stale).await;
+    seam::repo_contract(&s, current, stale).await;
+}
 
 /// The file work runs off the runtime's threads: a commit whose file I/O blocks (here the
 /// lease file is a FIFO no one has opened for writing yet; in life an fsync on a slow
@@ -99,7 +126,7 @@ async fn file_store_is_fenced_by_the_lease_file_monotonic_and_atomic() {
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(9)));
     let names: Vec<_> =
         std::fs::read_dir(dir.join("cursors")).expect("dir").map(|e| e.expect("entry").file_name()).collect();
-    assert_eq!(names.len(), 1, "no temp file left behind: {names:?}");
+    assert_eq!(names.len(), 2, "the cursor and the active relay, no temp file left behind: {names:?}");
     std::fs::write(dir.join("cursors").join(format!("cursor-{FP}")), "12abc").expect("corrupt");
     assert!(matches!(s.read(FP).await, Ok(ReadOutcome::Corrupt(_))));
     assert_eq!(
@@ -113,14 +140,14 @@ async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_tra
     let mut pg = PgServer::start();
     let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect");
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
-    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.claim(3).await, Ok(()));
     assert_eq!(s.commit(FP, 100, 3).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.commit(FP, 90, 3).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
     // A new term claims; the old one is refused from then on.
-    assert_eq!(s.fence_token().await, Ok(3));
-    assert_eq!(s.claim(4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.fence_floor().await, Ok(Some(3)));
+    assert_eq!(s.claim(4).await, Ok(()));
     assert_eq!(s.commit(FP, 200, 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
-    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
+    assert!(matches!(s.claim(3).await, Err(StoreError::Protocol(m)) if m.contains("Some(4)")), "a newer term claimed");
     assert_eq!(s.commit(FP, 150, 4).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(150)));
     assert_eq!(s.reset(FP, 40, 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }), "a rewind is fenced");
@@ -135,12 +162,17 @@ async fn postgres_store_fences_by_highest_token_and_commits_inside_a_callers_tra
     client.batch_execute("CREATE TABLE events (seq bigint PRIMARY KEY)").await.expect("table");
     let tx = client.transaction().await.expect("tx");
     tx.execute("INSERT INTO events VALUES (151)", &[]).await.expect("row");
-    let out = PostgresStore::commit_in(&tx, FP, 151, 3).await.expect("commit_in");
+    let out = PostgresStore::write_in(&tx, Write::advance(FP, 151, None), Fence { holder: "t:3", token: 3 })
+        .await
+        .expect("write_in");
     assert_eq!(out, CommitOutcome::Fenced { current: Some(4) });
     tx.rollback().await.expect("rollback");
     let tx = client.transaction().await.expect("tx");
     tx.execute("INSERT INTO events VALUES (151)", &[]).await.expect("row");
-    assert_eq!(PostgresStore::commit_in(&tx, FP, 151, 4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(
+        PostgresStore::write_in(&tx, Write::advance(FP, 151, None), Fence { holder: "t:4", token: 4 }).await,
+        Ok(CommitOutcome::Saved)
+    );
     tx.commit().await.expect("commit");
     let n: i64 = client.query_one("SELECT count(*) FROM events", &[]).await.expect("count").get(0);
     assert_eq!(n, 1);
@@ -216,13 +248,13 @@ async fn postgres_commit_at_keeps_time_and_active_relay_fenced_and_old_cursors_m
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(42)), "the old cursor survives the migration");
     assert_eq!(s.read_time(FP).await, Ok(None), "with no time");
     assert_eq!(s.active_relay().await, Ok(None));
-    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.claim(3).await, Ok(()));
     assert_eq!(s.commit_at(FP, 50, Some(77), 3).await, Ok(CommitOutcome::Saved));
     assert_eq!(s.read_time(FP).await, Ok(Some(77)));
     assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
     assert_eq!(s.commit_at(FP, 49, Some(99), 3).await, Ok(CommitOutcome::NotNewer { stored: 50 }));
     assert_eq!(s.read_time(FP).await, Ok(Some(77)), "a refused commit leaves the time");
-    assert_eq!(s.claim(4).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.claim(4).await, Ok(()));
     assert_eq!(s.commit_at("other", 11, Some(5), 3).await, Ok(CommitOutcome::Fenced { current: Some(4) }));
     assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())), "a fenced commit moves nothing");
     assert_eq!(s.read_time("other").await, Ok(None));
@@ -239,30 +271,4 @@ async fn postgres_commit_at_keeps_time_and_active_relay_fenced_and_old_cursors_m
     // Connecting again applies the migration again, harmlessly.
     let s2 = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("again");
     assert_eq!(s2.read(FP).await, Ok(ReadOutcome::Found(10)));
-}
-
-#[tokio::test]
-async fn the_file_write_seam_advances_rewinds_and_fences() {
-    let dir = tmpdir("seam");
-    let lease = dir.join("lease");
-    std::fs::write(&lease, "x:3").expect("lease");
-    let s = FileStore::new(&dir.join("c"), &lease).expect("store");
-    let (current, stale) =
-        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
-    seam::write_contract(&s, current, stale).await;
-    seam::repo_contract(&s, current, stale).await;
-    // A new process reads the log the last one appended.
-    let again = FileStore::new(&dir.join("c"), &lease).expect("store");
-    assert_eq!(checkpoint::CursorStore::repos(&again).await.expect("repos").len(), 2);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_postgres_write_seam_advances_rewinds_and_fences() {
-    let pg = PgServer::start();
-    let s = PostgresStore::connect(&pg.url(), Duration::from_secs(5)).await.expect("connect");
-    assert_eq!(s.claim(3).await, Ok(CommitOutcome::Saved));
-    let (current, stale) =
-        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
-    seam::write_contract(&s, current, stale).await;
-    seam::repo_contract(&s, current, stale).await;
 }

@@ -13,6 +13,7 @@ use testkit::NatsServer;
 use tokio::time::timeout;
 
 mod seam;
+use seam::Writes as _;
 
 const FP: &str = "9f2c1e0b7a6d5c4b3a29181706f5e4d3c2b1a09f8e7d6c5b4a3928170615f4e3";
 const OP: Duration = Duration::from_millis(500);
@@ -44,6 +45,14 @@ async fn leader(url: &str, prefix: &str, name: &str) -> (lease::LeaseHandle, Ter
         panic!("not elected")
     };
     (h, t)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_write_seam_advances_rewinds_and_fences() {
+    let server = NatsServer::start();
+    let s = NatsStore::new(&nats(&server.url()).await, "seam");
+    seam::write_contract(&s, fence("x:3"), fence("w:2")).await;
+    seam::repo_contract(&s, fence("x:3"), fence("w:2")).await;
 }
 
 /// Elected terms claim the cursors; the old one is refused from then on, also on a key
@@ -249,12 +258,4 @@ async fn saved_commits_reach_followers() {
     let got = seen.lock().expect("seen").clone();
     assert_eq!(got, vec![(FP.to_owned(), 5, false), (FP.to_owned(), 9, false), (FP.to_owned(), 2, true)]);
     follower.abort();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_write_seam_advances_rewinds_and_fences() {
-    let server = NatsServer::start();
-    let s = NatsStore::new(&nats(&server.url()).await, "seam");
-    seam::write_contract(&s, fence("x:3"), fence("w:2")).await;
-    seam::repo_contract(&s, fence("x:3"), fence("w:2")).await;
 }

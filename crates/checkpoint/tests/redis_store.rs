@@ -1,5 +1,6 @@
 //! The Redis cursor store against real redis-server processes, with the real lease.
 
+use checkpoint::CursorStore as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,6 +10,7 @@ use testkit::RedisServer;
 use tokio::time::timeout;
 
 mod seam;
+use seam::Writes as _;
 
 const FP: &str = "9f2c1e0b7a6d5c4b3a29181706f5e4d3c2b1a09f8e7d6c5b4a3928170615f4e3";
 const OP: Duration = Duration::from_millis(500);
@@ -43,6 +45,17 @@ async fn leader(
         panic!("not elected")
     };
     (h, ev, t)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_write_seam_advances_rewinds_and_fences() {
+    let redis = RedisServer::start();
+    let s = store(&redis.url(), "seam");
+    set(&redis, "{seam}:lease", b"x:3");
+    let (current, stale) =
+        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
+    seam::write_contract(&s, current, stale).await;
+    seam::repo_contract(&s, current, stale).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -300,15 +313,4 @@ async fn commit_at_keeps_time_and_active_relay_fenced() {
     s.force(FP, 3).await.expect("force");
     assert_eq!(s.read_time(FP).await, Ok(None), "cursor set has no time of its own");
     assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_write_seam_advances_rewinds_and_fences() {
-    let redis = RedisServer::start();
-    let s = store(&redis.url(), "seam");
-    set(&redis, "{seam}:lease", b"x:3");
-    let (current, stale) =
-        (checkpoint::Fence { holder: "x:3", token: 3 }, checkpoint::Fence { holder: "w:2", token: 2 });
-    seam::write_contract(&s, current, stale).await;
-    seam::repo_contract(&s, current, stale).await;
 }

@@ -1,6 +1,7 @@
 //! What a handler may rely on when a term ends: nothing the term still held is handed to
 //! it afterwards, even by a handler that never calls `BatchCtx::ensure_active`.
 
+use checkpoint::CursorStore as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;

@@ -4,6 +4,7 @@
 //! up to the invalid event and stops; key rotation; a directory that is down holds
 //! events (the cursor never passes them) and everything is delivered once it returns.
 
+use checkpoint::CursorStore as _;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -472,7 +472,9 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
     // The cursor carries the relay time of the event at it, as the consumer's own commits
     // do, so a relay switch or a successor resumes by time.
     let time = last.time().and_then(atproto_data::time::time_ms);
-    match PostgresStore::commit_at_in(&tx, &ctx.fingerprint, last.seq(), time, ctx.token).await {
+    let holder = ctx.term.holder();
+    let fence = checkpoint::Fence { holder: &holder, token: ctx.token };
+    match PostgresStore::write_in(&tx, checkpoint::Write::advance(&ctx.fingerprint, last.seq(), time), fence).await {
         Ok(CommitOutcome::Fenced { .. }) => {
             let _ = tx.rollback().await;
             Err(HandlerError::Fenced)

@@ -1,7 +1,7 @@
 //! The `CursorStore::write` contract, checked against every store through the seam the
-//! consumer uses (the stores' own inherent methods are tested beside it).
+//! consumer uses; the helpers below ([`Writes`]) give the store suites the same one path.
 
-use checkpoint::{CommitOutcome, CursorStore, Fence, ReadOutcome, Write};
+use checkpoint::{CommitOutcome, CursorStore, Fence, ReadOutcome, StoreError, Write};
 
 /// `current` is the term holding the lease, `stale` an older term; the relay `seam` has
 /// no cursor yet.
@@ -65,3 +65,74 @@ pub async fn repo_contract(s: &dyn CursorStore, current: Fence<'_>, stale: Fence
     want.remove(0);
     assert_eq!(sorted(s.repos().await.expect("repos")), want, "{name}: a cleared repo is gone");
 }
+
+/// A term's fence as the tests name it: a holder value (`"a:1"`, whose token follows the
+/// last colon; a value without one keeps token 0), a [`Fence`], or a bare token.
+pub struct Holder {
+    holder: String,
+    token: u64,
+}
+
+impl Holder {
+    fn fence(&self) -> Fence<'_> {
+        Fence { holder: &self.holder, token: self.token }
+    }
+}
+
+impl From<&str> for Holder {
+    fn from(holder: &str) -> Self {
+        let token = holder.rsplit_once(':').and_then(|(_, t)| t.parse().ok()).unwrap_or(0);
+        Self { holder: holder.to_owned(), token }
+    }
+}
+
+impl From<&String> for Holder {
+    fn from(holder: &String) -> Self {
+        Self::from(holder.as_str())
+    }
+}
+
+impl From<Fence<'_>> for Holder {
+    fn from(f: Fence<'_>) -> Self {
+        Self { holder: f.holder.to_owned(), token: f.token }
+    }
+}
+
+impl From<u64> for Holder {
+    fn from(token: u64) -> Self {
+        Self { holder: format!("term:{token}"), token }
+    }
+}
+
+/// The writes the store tests make, each through [`CursorStore::write`] (the one write
+/// path every store has): an advance without or with the relay time, and a rewind.
+#[allow(async_fn_in_trait, dead_code)] // test helpers; not every suite uses each
+pub trait Writes: CursorStore {
+    /// A monotonic commit of `cursor` with no relay time.
+    async fn commit(&self, fp: &str, cursor: u64, h: impl Into<Holder>) -> Result<CommitOutcome, StoreError> {
+        self.write(Write::advance(fp, cursor, None), h.into().fence()).await
+    }
+
+    /// A monotonic commit of `cursor` keeping the relay time at it.
+    async fn commit_at(
+        &self,
+        fp: &str,
+        cursor: u64,
+        time_ms: Option<i64>,
+        h: impl Into<Holder>,
+    ) -> Result<CommitOutcome, StoreError> {
+        self.write(Write::advance(fp, cursor, time_ms), h.into().fence()).await
+    }
+
+    /// The election's claim of the store by `token` (what the Postgres fence table sees).
+    async fn claim(&self, token: u64) -> Result<(), StoreError> {
+        self.on_elected(Holder::from(token).fence(), &[]).await
+    }
+
+    /// A fenced rewind to `cursor`.
+    async fn reset(&self, fp: &str, cursor: u64, h: impl Into<Holder>) -> Result<CommitOutcome, StoreError> {
+        self.write(Write::rewind(fp, cursor), h.into().fence()).await
+    }
+}
+
+impl<T: CursorStore + ?Sized> Writes for T {}

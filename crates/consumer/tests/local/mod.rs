@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use checkpoint::CursorStore as _;
 use consumer::{Builder, Handler, Options, StatusHandle};
 use relay_client::RelayUrl;
 use relay_sim::{RelaySim, SimConfig};
