@@ -1,6 +1,7 @@
 //! The lease against real `nats-server -js` processes (JetStream KV), each test starting
-//! its own on a free port so it can kill, pause, restart or wipe it — the Redis lease
-//! tests' faults, on NATS.
+//! its own on a free port: what only NATS has (latency below the op timeout, a half-open
+//! connection, the state bucket's fence, key expiry by the bucket's age limit, prefixes
+//! that would share a bucket). The scenarios every store must pass are in `stores.rs`.
 
 mod common;
 
@@ -32,146 +33,6 @@ async fn node(url: &str, prefix: &str, name: &str) -> Node {
     node_with(url, cfg(prefix), name).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn five_candidates_exactly_one_leader_twenty_times() {
-    let server = NatsServer::start();
-    for round in 0..20 {
-        let prefix = format!("race{round}");
-        let mut nodes = Vec::new();
-        for i in 0..5 {
-            nodes.push(node(&server.url(), &prefix, &format!("n{i}")).await);
-        }
-        let deadline = Instant::now() + WAIT;
-        let mut leaders = Vec::new();
-        while leaders.is_empty() && Instant::now() < deadline {
-            for (i, n) in nodes.iter_mut().enumerate() {
-                if let Ok(LeaseEvent::Elected(t)) = n.events.try_recv() {
-                    leaders.push((i, t));
-                }
-            }
-            sleep(Duration::from_millis(5)).await;
-        }
-        sleep(Duration::from_millis(300)).await;
-        for (i, n) in nodes.iter_mut().enumerate() {
-            while let Ok(e) = n.events.try_recv() {
-                if let LeaseEvent::Elected(t) = e {
-                    leaders.push((i, t));
-                }
-            }
-        }
-        assert_eq!(leaders.len(), 1, "round {round}: {leaders:?}");
-        for n in &nodes {
-            n.handle.shutdown().await;
-        }
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_handover_wakes_the_standby_through_the_key_watch() {
-    let server = NatsServer::start();
-    let mut gaps = Vec::new();
-    for round in 0..5 {
-        let prefix = format!("handover{round}");
-        // A poll of 30 s: only the watch on the key can make the standby lead quickly.
-        let slow = LeaseConfig { poll: Duration::from_secs(30), ..cfg(&prefix) };
-        let mut a = node_with(&server.url(), slow.clone(), "a").await;
-        let ta = elected(&mut a).await;
-        let mut b = node_with(&server.url(), slow, "b").await;
-        sleep(Duration::from_millis(1500)).await;
-        no_event(&mut b);
-        let t0 = Instant::now();
-        a.handle.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(5)).await.expect("clean step-down");
-        let tb = elected(&mut b).await;
-        gaps.push(t0.elapsed());
-        assert!(tb.token() > ta.token());
-        assert!(!ta.is_active());
-        b.handle.shutdown().await;
-    }
-    eprintln!("handover gaps: {gaps:?}");
-    // Without the wake-up the standby still tries at the key's observed expiry instead of
-    // the 30 s poll: here 0.5 s after the release (it polled 1.5 s into a 2 s ttl). A
-    // quarter of a second tells the two apart.
-    assert!(
-        gaps.iter().all(|g| *g < Duration::from_millis(250)),
-        "woken at once, not at the observed expiry: {gaps:?}"
-    );
-}
-
-/// A restart with the data kept, shorter than the ttl: the key and the fence survive, the
-/// leader renews on the new connection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_restarted_within_the_ttl_no_flip() {
-    let mut server = NatsServer::start();
-    let mut a = node(&server.url(), "r1", "a").await;
-    let t = elected(&mut a).await;
-    server.restart();
-    sleep(Duration::from_secs(3)).await;
-    assert!(t.is_active(), "the leader kept its term across the restart");
-    no_event(&mut a);
-    let snap = a.backend.snapshot().await.expect("snapshot");
-    assert_eq!(snap.holder, Some(format!("a:{}", t.token())));
-    assert_eq!(snap.fence, t.token());
-}
-
-/// NATS down longer than the ttl, then back with nothing (the buckets lost): the leader
-/// loses at its deadline, and the next term's token is above every token seen although
-/// the store forgot them.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_down_past_the_ttl_and_wiped_loses_then_a_greater_token_is_issued() {
-    let mut server = NatsServer::start();
-    let mut a = node(&server.url(), "k2", "a").await;
-    let mut b = node(&server.url(), "k2", "b").await;
-    let (a_leads, t) = tokio::select! {
-        e = a.events.recv() => match e { Some(LeaseEvent::Elected(t)) => (true, t), o => panic!("{o:?}") },
-        e = b.events.recv() => match e { Some(LeaseEvent::Elected(t)) => (false, t), o => panic!("{o:?}") },
-    };
-    let first = t.token();
-    // Let the standby poll once, so it has seen the leader's token.
-    sleep(Duration::from_millis(600)).await;
-    server.kill();
-    let leader = if a_leads { &mut a } else { &mut b };
-    match next_event(leader).await {
-        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
-        e => panic!("{e:?}"),
-    }
-    assert!(!t.is_active());
-    drop(t);
-    server.wipe();
-    let t2 = tokio::select! {
-        e = a.events.recv() => e,
-        e = b.events.recv() => e,
-    };
-    let Some(LeaseEvent::Elected(t2)) = t2 else { panic!("{t2:?}") };
-    assert!(t2.token() > first, "token {} after {first}", t2.token());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_paused_shorter_than_the_window_no_flip_longer_loses_at_the_deadline() {
-    let server = NatsServer::start();
-    let mut a = node(&server.url(), "p", "a").await;
-    let t = elected(&mut a).await;
-    server.pause();
-    sleep(Duration::from_millis(700)).await;
-    server.resume();
-    sleep(Duration::from_secs(2)).await;
-    assert!(t.is_active());
-    no_event(&mut a);
-    server.pause();
-    let t0 = Instant::now();
-    match next_event(&mut a).await {
-        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
-        e => panic!("{e:?}"),
-    }
-    let took = t0.elapsed();
-    assert!(took <= Duration::from_millis(1500) + Duration::from_millis(400), "lost within the window: {took:?}");
-    assert!(!t.is_active());
-    server.resume();
-    let first = t.token();
-    drop(t);
-    let t2 = elected(&mut a).await;
-    assert!(t2.token() > first);
-}
-
 /// Latency below the op timeout (60 ms each way against 250 ms): no flip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_nats_below_the_op_timeout_does_not_flap() {
@@ -184,31 +45,6 @@ async fn slow_nats_below_the_op_timeout_does_not_flap() {
     sleep(Duration::from_secs(4)).await;
     proxy.set_latency(Duration::ZERO);
     assert!(t.is_active(), "still leading");
-    no_event(&mut a);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leader_cut_off_from_nats_loses_and_the_standby_takes_over() {
-    let server = NatsServer::start();
-    let proxy = TcpProxy::start(server.addr()).await;
-    let mut a = node(&format!("nats://{}", proxy.addr()), "cut", "a").await;
-    let ta = elected(&mut a).await;
-    let mut b = node(&server.url(), "cut", "b").await;
-    sleep(Duration::from_millis(500)).await;
-    no_event(&mut b);
-    proxy.set_cut(true);
-    match next_event(&mut a).await {
-        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
-        e => panic!("{e:?}"),
-    }
-    let lost_at = Instant::now();
-    let tb = elected(&mut b).await;
-    assert!(tb.token() > ta.token());
-    assert!(!ta.is_active());
-    eprintln!("standby elected {:?} after the old leader stopped", lost_at.elapsed());
-    proxy.set_cut(false);
-    drop(ta);
-    sleep(Duration::from_secs(1)).await;
     no_event(&mut a);
 }
 
@@ -230,28 +66,6 @@ async fn a_half_open_connection_ends_the_term_and_the_replica_comes_back() {
     drop(ta);
     let t2 = elected(&mut a).await;
     assert!(t2.token() > first);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deleted_key_is_retaken_and_an_overwritten_key_is_lost_once() {
-    let server = NatsServer::start();
-    let mut a = node(&server.url(), "d", "a").await;
-    let t = elected(&mut a).await;
-    let admin = nats(&server.url(), Duration::from_secs(5)).await;
-    let kv = admin.jetstream().get_key_value("d-lease").await.expect("bucket");
-    kv.purge("leader").await.expect("purge");
-    sleep(Duration::from_secs(1)).await;
-    assert!(t.is_active());
-    no_event(&mut a);
-    let v = kv.get("leader").await.expect("get").expect("retaken");
-    assert_eq!(v.as_ref(), format!("a:{}", t.token()).as_bytes());
-    kv.put("leader", "intruder:99".into()).await.expect("put");
-    match next_event(&mut a).await {
-        LeaseEvent::Lost { reason: LossReason::TakenBy(h), .. } => assert_eq!(h, "intruder:99"),
-        e => panic!("{e:?}"),
-    }
-    sleep(Duration::from_secs(1)).await;
-    no_event(&mut a);
 }
 
 /// The fence in the state bucket: tokens above the counter, `fence-seen` and the floor;
@@ -387,43 +201,4 @@ async fn prefixes_that_would_share_buckets_are_refused() {
     assert!(matches!(underscore.acquire("a", Duration::from_secs(5), 0).await, Ok(Acquire::Acquired { token: 1 })));
     let e = dot.acquire("b", Duration::from_secs(5), 0).await.expect_err("refused").to_string();
     assert!(e.contains("prod.eu") && e.contains("prefix"), "{e}");
-}
-
-/// The Redis suite's late-renewal scenario on NATS: the leader is cut off until it loses
-/// its term, then its renewal lands (the key set again to its value, living a whole
-/// ttl). A process that holds no term but finds its own value on the key takes it back
-/// once the store answers: someone leads at once, not a ttl later.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_renewal_that_lands_after_the_leader_stepped_down_is_released_at_once() {
-    let server = NatsServer::start();
-    let proxy = TcpProxy::start(server.addr()).await;
-    let six = |prefix: &str| LeaseConfig {
-        poll: Duration::from_millis(200),
-        key_prefix: prefix.to_owned(),
-        ..LeaseConfig::from_ttl(Duration::from_secs(6))
-    };
-    let mut a = node_with(&format!("nats://{}", proxy.addr()), six("late"), "a").await;
-    let ta = elected(&mut a).await;
-    let mut b = node_with(&server.url(), six("late"), "b").await;
-    sleep(Duration::from_millis(300)).await;
-    proxy.set_cut(true);
-    match next_event(&mut a).await {
-        LeaseEvent::Lost { reason: LossReason::Expired, .. } => {}
-        e => panic!("{e:?}"),
-    }
-    drop(ta);
-    // The renewal a sent before its deadline lands now.
-    let admin = nats(&server.url(), Duration::from_secs(5)).await;
-    let kv = admin.jetstream().get_key_value("late-lease").await.expect("bucket");
-    kv.put("leader", "a:1".into()).await.expect("put");
-    proxy.set_cut(false);
-    common::someone_elected_at_once(&mut a, &mut b, Instant::now()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_settings_record_keeps_the_latest_terms() {
-    let server = NatsServer::start();
-    let n = nats(&server.url(), Duration::from_millis(500)).await;
-    let b = NatsBackend::new(&n, "record", Duration::from_secs(2));
-    common::the_settings_record_keeps_the_latest_terms(&b).await;
 }
