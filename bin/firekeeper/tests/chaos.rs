@@ -64,20 +64,20 @@ async fn sigstop_shorter_than_margin_does_not_flap() {
 async fn redis_paused_shorter_than_ttl_then_down_longer_than_ttl() {
     let (mut c, l, t) = started("redis", Spec { copies: 3, ..Spec::default() }).await;
     progress(&c, 300).await;
-    c.redis.pause();
+    c.redis().pause();
     sleep(Duration::from_millis(600)).await;
-    c.redis.resume();
+    c.redis().resume();
     sleep(Duration::from_millis(500)).await;
     assert_eq!(c.leader().await, Some((l, t)), "a short outage is not a flip");
     // Now longer than the ttl; Redis keeps its data (as a persistent deployment would).
-    c.redis.pause();
+    c.redis().pause();
     sleep(Duration::from_secs(3)).await;
     for r in &c.replicas {
         if let Some(s) = r.status().await {
             assert_ne!(s["role"], "leader", "nobody leads while the lease store is unreachable past the ttl");
         }
     }
-    c.redis.resume();
+    c.redis().resume();
     c.wait_leader(None).await;
     c.wait_complete().await;
     c.check();
@@ -89,7 +89,7 @@ async fn redis_flushall_loses_nothing() {
     for round in 0..2 * scale() {
         let (c, l, t) = started(&format!("flush{round}"), Spec { copies: 2, ..Spec::default() }).await;
         progress(&c, 400).await;
-        let mut admin = c.redis.admin();
+        let mut admin = c.redis().admin();
         let _: () = redis::cmd("FLUSHALL").query(&mut admin).expect("flushall");
         c.wait_complete().await;
         // Either the leader retook the vacant key with its own token (the fence counter
@@ -196,14 +196,14 @@ async fn a_half_open_redis_link_to_the_leader_hands_over_at_its_deadline() {
 async fn sigterm_while_redis_is_down_exits_within_the_budget_and_loses_nothing() {
     let (mut c, l, t) = started("term-down", Spec { copies: 2, ..Spec::default() }).await;
     progress(&c, 300).await;
-    c.redis.pause();
+    c.redis().pause();
     let t0 = std::time::Instant::now();
     let clean = c.replicas[l].sigterm().await;
     let took = t0.elapsed();
     eprintln!("SIGTERM with Redis down: exit after {took:?} (clean: {clean})");
     assert!(!clean, "a step-down that could not commit or release is not clean");
     assert!(took < Duration::from_secs(8), "bounded by the drain budget (5 s), took {took:?}");
-    c.redis.resume();
+    c.redis().resume();
     let (_, t2) = c.wait_leader(Some(l)).await;
     assert!(t2 > t);
     c.replicas[l].start();
@@ -215,9 +215,9 @@ async fn sigterm_while_redis_is_down_exits_within_the_budget_and_loses_nothing()
 async fn a_short_redis_outage_during_sigterm_still_hands_over_cleanly() {
     let (mut c, l, _) = started("term-blip", Spec { copies: 2, ..Spec::default() }).await;
     progress(&c, 300).await;
-    c.redis.pause();
+    c.redis().pause();
     let resume = {
-        let pid = c.redis.pid();
+        let pid = c.redis().pid();
         tokio::spawn(async move {
             sleep(Duration::from_millis(400)).await; // well inside the 1.5 s window
             let _ = std::process::Command::new("kill").args(["-CONT", &pid.to_string()]).status();
@@ -235,7 +235,7 @@ async fn failover_to_a_lagging_redis_replica_replays_but_never_loses_or_reuses_a
     let (mut c, l, _) = started("lagging", Spec { copies: 3, ..Spec::default() }).await;
     // The replica follows the master through a proxy, so its link can go silent (a
     // SIGSTOPped replica would catch up from its socket buffer on waking).
-    let link = testkit::TcpProxy::start(c.redis.addr()).await;
+    let link = testkit::TcpProxy::start(c.redis().addr()).await;
     let replica = testkit::RedisServer::start_with(&["--replicaof", "127.0.0.1", &link.addr().port().to_string()]);
     let mut admin = replica.admin();
     let deadline = std::time::Instant::now() + testkit::WAIT;
@@ -255,7 +255,7 @@ async fn failover_to_a_lagging_redis_replica_replays_but_never_loses_or_reuses_a
     let (l2, t2) = c.wait_leader(Some(l)).await;
     progress(&c, 1200).await;
     let highest_before = c.fence_seen().max(t2);
-    c.redis.kill();
+    c.redis_mut().kill();
     let _: () = redis::cmd("REPLICAOF").arg("NO").arg("ONE").query(&mut admin).expect("promote");
     *c.watch_url.lock().expect("url") = replica.url();
     for p in &c.proxies {

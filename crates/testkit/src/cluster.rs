@@ -259,8 +259,9 @@ fn relay_frames(spec: &Spec) -> Vec<crate::bytes_compat::Bytes> {
 
 /// A running cluster: dropped, it stops the watchers; each `Replica` kills its process.
 pub struct Cluster {
-    /// The Redis every replica's lease and cursor live on (unused with `Spec::nats`).
-    pub redis: RedisServer,
+    /// The Redis every replica's lease and cursor live on (none with `Spec::nats`: a
+    /// cluster starts only the store it uses); see [`Cluster::redis`].
+    redis: Option<RedisServer>,
     /// The NATS server of a `Spec::nats` cluster.
     pub nats: Option<NatsServer>,
     /// The primary relay.
@@ -403,7 +404,7 @@ fn preseed(
     spec: &Spec,
     base: &HashMap<String, String>,
     dir: &std::path::Path,
-    redis: &RedisServer,
+    redis: Option<&RedisServer>,
     nats: Option<&NatsServer>,
     fp: &str,
     relay2: Option<&RelaySim>,
@@ -427,7 +428,7 @@ fn preseed(
         }
         return;
     }
-    let mut c = redis.admin();
+    let mut c = redis.expect("a Redis cluster").admin();
     let _: () = redis::cmd("SET").arg(format!("{{firekeeper}}:cursor:{fp}")).arg(0).query(&mut c).expect("preseed");
     if let Some(r2) = relay2.filter(|_| preseed_secondary.is_some()) {
         let fp2 = relay_client::RelayUrl::parse(&r2.url()).expect("url").fingerprint().to_owned();
@@ -442,14 +443,15 @@ impl Cluster {
     pub fn store_server(&mut self) -> &mut dyn StoreServer {
         match self.nats.as_mut() {
             Some(n) => n,
-            None => &mut self.redis,
+            None => self.redis.as_mut().expect("a Redis cluster"),
         }
     }
 
-    /// Starts Redis, the relays and the proxies (not the replicas: see `start_all`).
+    /// Starts the store (Redis, or NATS with `Spec::nats`), the relays and the proxies
+    /// (not the replicas: see `start_all`).
     pub async fn start(name: &str, spec: Spec) -> Self {
         let dir = tmpdir(name);
-        let redis = RedisServer::start();
+        let redis = (!spec.nats).then(RedisServer::start);
         // With a secondary, relay time must keep increasing across copies (switches find
         // their place by time).
         let frames = relay_frames(&spec);
@@ -496,12 +498,13 @@ impl Cluster {
         }
         let nats = spec.nats.then(NatsServer::start);
         let fp = relay_client::RelayUrl::parse(&relay.url()).expect("url").fingerprint().to_owned();
-        preseed(&spec, &base, &dir, &redis, nats.as_ref(), &fp, relay2.as_ref());
+        preseed(&spec, &base, &dir, redis.as_ref(), nats.as_ref(), &fp, relay2.as_ref());
         let mut proxies = Vec::new();
         let mut replicas = Vec::new();
         for i in 0..spec.replicas {
             let mut env = base.clone();
-            let proxy = TcpProxy::start(nats.as_ref().map_or_else(|| redis.addr(), NatsServer::addr)).await;
+            let store = nats.as_ref().map_or_else(|| redis.as_ref().expect("redis").addr(), NatsServer::addr);
+            let proxy = TcpProxy::start(store).await;
             let (var, url) = if nats.is_some() {
                 ("NATS_URL", format!("nats://{}", proxy.addr()))
             } else {
@@ -524,7 +527,7 @@ impl Cluster {
             });
         }
         let history = Arc::new(Mutex::new(Vec::new()));
-        let watch_url = Arc::new(Mutex::new(redis.url()));
+        let watch_url = Arc::new(Mutex::new(redis.as_ref().map(RedisServer::url).unwrap_or_default()));
         let watcher = if let Some(n) = &nats {
             watch_nats_cursor(n.url(), format!("cursor.{fp}"), history.clone())
         } else {
@@ -748,10 +751,27 @@ impl Cluster {
         seen.values().filter(|n| **n > 1).count()
     }
 
+    /// The Redis of a Redis cluster.
+    ///
+    /// # Panics
+    /// In a `Spec::nats` cluster, which starts no Redis.
+    #[must_use]
+    pub fn redis(&self) -> &RedisServer {
+        self.redis.as_ref().expect("a Redis cluster (Spec::nats starts no Redis)")
+    }
+
+    /// The Redis of a Redis cluster, to kill or restart it.
+    ///
+    /// # Panics
+    /// In a `Spec::nats` cluster.
+    pub fn redis_mut(&mut self) -> &mut RedisServer {
+        self.redis.as_mut().expect("a Redis cluster (Spec::nats starts no Redis)")
+    }
+
     /// The highest token any committed cursor carried: read fence-seen.
     #[must_use]
     pub fn fence_seen(&self) -> u64 {
-        let mut c = self.redis.admin();
+        let mut c = self.redis().admin();
         redis::cmd("GET").arg("{firekeeper}:fence-seen").query::<Option<u64>>(&mut c).expect("get").unwrap_or(0)
     }
 }
