@@ -4,7 +4,7 @@
 use checkpoint::{CommitOutcome, Fence, StoreError, Write};
 use tracing::Instrument;
 
-use super::{Ctx, Leader, Rewind, Step, TermEnd, guarded, while_active};
+use super::{Ctx, Leader, Rewind, Stop, TermEnd, guarded, while_active};
 use crate::error::Fatal;
 use crate::metrics as m;
 use crate::pipeline::Pipeline;
@@ -174,7 +174,7 @@ impl Leader<'_, '_> {
 
     /// A fenced rewind (or first commit) of the stored cursor to `cursor`, retried while
     /// the store is unavailable.
-    async fn reset_cursor(&mut self, cursor: u64) -> Result<(), Step> {
+    async fn reset_cursor(&mut self, cursor: u64) -> Result<(), Stop> {
         // A rewind replaces the cursor: no earlier write may land after it.
         self.land().await?;
         let (cx, term) = (self.cx, &self.term);
@@ -189,13 +189,13 @@ impl Leader<'_, '_> {
                 cx.status.update(|s| s.committed = Some(cursor));
                 Ok(())
             }
-            Ok(CommitOutcome::Fenced { .. }) => Err(Step::End(TermEnd::Lost)),
+            Ok(CommitOutcome::Fenced { .. }) => Err(Stop::End(TermEnd::Lost)),
             Err(source) => Err(Fatal::Reset { cursor, source }.into()),
         }
     }
 
     /// Places a stream by its first seq: the stored cursor goes to just before it.
-    pub(super) async fn place(&mut self, why: Rewind, seq: u64) -> Result<(), Step> {
+    pub(super) async fn place(&mut self, why: Rewind, seq: u64) -> Result<(), Stop> {
         if let Rewind::WentLive(rejected) = why {
             metrics::counter!(m::GAPS, "reason" => "future_cursor").increment(1);
             tracing::error!(
@@ -210,28 +210,27 @@ impl Leader<'_, '_> {
     }
 
     /// A write started by the tick finished.
-    pub(super) fn on_landed(&mut self, out: Result<CommitOutcome, StoreError>) -> Step {
+    pub(super) fn on_landed(&mut self, out: Result<CommitOutcome, StoreError>) -> Result<(), Stop> {
         let f = self.flight.take().expect("a write in flight");
         if finish(self.cx, &mut self.p, f.cursor, out) == Commit::Fenced {
-            return Step::End(TermEnd::Lost);
+            return Err(Stop::End(TermEnd::Lost));
         }
-        Step::Next
+        Ok(())
     }
 
     /// Waits for the tick's write in flight, if any: before anything else writes the
     /// cursor or the pipeline is replaced, so writes land in the order they were made.
-    pub(super) async fn land(&mut self) -> Result<(), Step> {
+    pub(super) async fn land(&mut self) -> Result<(), Stop> {
         let Some(f) = self.flight.take() else { return Ok(()) };
-        match guarded(self.cx, &self.term, f.land(self.cx, &mut self.p)).await {
-            Ok(Commit::Fenced) => Err(Step::End(TermEnd::Lost)),
-            Ok(_) => Ok(()),
-            Err(i) => Err(i.into()),
+        match guarded(self.cx, &self.term, f.land(self.cx, &mut self.p)).await? {
+            Commit::Fenced => Err(Stop::End(TermEnd::Lost)),
+            _ => Ok(()),
         }
     }
 
     /// The commit tick: start a commit, close the overlap window once the position passed it,
     /// then refresh the lag figures.
-    pub(super) fn tick(&mut self) -> Step {
+    pub(super) fn tick(&mut self) -> Result<(), Stop> {
         // One write at a time: a tick while one is in flight only refreshes the figures.
         if self.flight.is_none() {
             // A quiet stream writes its cursor again now and then: a store that lost it
@@ -240,7 +239,7 @@ impl Leader<'_, '_> {
             self.quiet_ticks += 1;
             let again = self.quiet_ticks >= REASSERT_TICKS;
             match begin(self.cx, &self.term, &mut self.p, false, again) {
-                Begun::Done(Commit::Fenced) => return Step::End(TermEnd::Lost),
+                Begun::Done(Commit::Fenced) => return Err(Stop::End(TermEnd::Lost)),
                 Begun::Done(_) => {}
                 Begun::Write(f) => {
                     self.quiet_ticks = 0;
@@ -276,6 +275,6 @@ impl Leader<'_, '_> {
             s.in_flight = in_flight;
             s.lag_seconds = lag_seconds.or(s.lag_seconds);
         });
-        Step::Next
+        Ok(())
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::commit::{Commit, commit};
-use super::{Leader, Step, TermEnd, guarded};
+use super::{Leader, Stop, TermEnd, guarded};
 use crate::error::Fatal;
 use crate::handler::HandlerError;
 use crate::pipeline::LaneStop;
@@ -13,16 +13,16 @@ use crate::status::Role;
 impl Leader<'_, '_> {
     /// Drains what was delivered and commits it (final). `Err` when the term ended or
     /// shutdown came first (the step-down path drains again, within its budget).
-    pub(super) async fn settle(&mut self) -> Result<(), Step> {
+    pub(super) async fn settle(&mut self) -> Result<(), Stop> {
         match guarded(self.cx, &self.term, self.p.drain()).await {
             Ok(Ok(())) => {}
             Ok(Err(LaneStop::Handler(e @ HandlerError::Fatal { .. }))) => return Err(self.stop(Fatal::Sink(e)).await),
-            Ok(Err(_)) => return Err(Step::End(TermEnd::Lost)),
-            Err(i) => return Err(i.into()),
+            Ok(Err(_)) => return Err(Stop::End(TermEnd::Lost)),
+            Err(stop) => return Err(stop),
         }
         self.land().await?;
         if commit(self.cx, &self.term, &mut self.p, true).await == Commit::Fenced {
-            return Err(Step::End(TermEnd::Lost));
+            return Err(Stop::End(TermEnd::Lost));
         }
         Ok(())
     }
@@ -30,27 +30,27 @@ impl Leader<'_, '_> {
     /// A lane stopped for good (an event failed verification under the `fail` policy, or
     /// the sink cannot go on): take in what the other lanes finish, commit up to just
     /// before what it did not hand over, and end the term with an operator-facing error.
-    pub(super) async fn stop(&mut self, e: Fatal) -> Step {
+    pub(super) async fn stop(&mut self, e: Fatal) -> Stop {
         tracing::error!(error = %e, "stopping: this needs an operator");
         self.sub.close().await;
-        if let Err(i) = guarded(self.cx, &self.term, self.p.wind_down()).await {
-            return i.into();
+        if let Err(stop) = guarded(self.cx, &self.term, self.p.wind_down()).await {
+            return stop;
         }
-        if let Err(s) = self.land().await {
-            return s;
+        if let Err(stop) = self.land().await {
+            return stop;
         }
         if commit(self.cx, &self.term, &mut self.p, true).await == Commit::Fenced {
-            return Step::End(TermEnd::Lost);
+            return Stop::End(TermEnd::Lost);
         }
-        Step::End(TermEnd::Fatal(e))
+        Stop::End(TermEnd::Fatal(e))
     }
 
     /// Settles what was delivered, then ends the term with an operator-facing error.
-    pub(super) async fn fatal(&mut self, e: Fatal) -> Step {
+    pub(super) async fn fatal(&mut self, e: Fatal) -> Stop {
         tracing::error!(error = %e, "stopping: this needs an operator");
         match self.settle().await {
-            Ok(()) | Err(Step::End(_) | Step::Next) => Step::End(TermEnd::Fatal(e)),
-            Err(Step::Shutdown) => Step::Shutdown,
+            Ok(()) | Err(Stop::End(_)) => Stop::End(TermEnd::Fatal(e)),
+            Err(Stop::Shutdown) => Stop::Shutdown,
         }
     }
 

@@ -5,7 +5,7 @@ use relay_client::probe::time_ms;
 use relay_client::{Item, Message, Notice, OwnedFrame, SubscribeError};
 use tokio::sync::mpsc;
 
-use super::{Ctx, Leader, Phase, Step, guarded};
+use super::{Ctx, Leader, Phase, Stop, guarded};
 use crate::chain::{ChainBreak, ChainBreaks};
 use crate::continuity::Key;
 use crate::error::Fatal;
@@ -46,35 +46,33 @@ fn on_notice(cx: &Ctx<'_>, n: &Notice) {
 
 impl Leader<'_, '_> {
     /// One item from the subscription.
-    pub(super) async fn on_item(&mut self, item: Result<relay_client::Item, SubscribeError>) -> Step {
+    pub(super) async fn on_item(&mut self, item: Result<relay_client::Item, SubscribeError>) -> Result<(), Stop> {
         match item {
             Ok(Item::Frame(f)) => self.on_frame(f).await,
             Ok(Item::Notice(n)) => {
                 on_notice(self.cx, &n);
                 match n {
                     Notice::WentLive { rejected, .. } => self.went_live(rejected).await,
-                    _ => Step::Next,
+                    _ => Ok(()),
                 }
             }
             Ok(Item::SwitchRelay { from, to, reason }) => self.on_switch(from, to, reason).await,
-            Err(e @ SubscribeError::FutureCursor { .. }) => self.fatal(Fatal::FutureCursor(e)).await,
+            Err(e @ SubscribeError::FutureCursor { .. }) => Err(self.fatal(Fatal::FutureCursor(e)).await),
             Err(e @ (SubscribeError::BadFrame { .. } | SubscribeError::FrameTooLarge { .. })) => {
-                self.fatal(Fatal::BadFrame(e)).await
+                Err(self.fatal(Fatal::BadFrame(e)).await)
             }
-            Err(SubscribeError::Closed) => self.fatal(Fatal::Closed).await,
+            Err(SubscribeError::Closed) => Err(self.fatal(Fatal::Closed).await),
         }
     }
 
     /// Hands one frame to the pipeline: waits for room in its lane (and the window, which
     /// the caller checked), never skips a refused delivery.
-    async fn on_frame(&mut self, f: OwnedFrame) -> Step {
+    async fn on_frame(&mut self, f: OwnedFrame) -> Result<(), Stop> {
         let seq = f.seq;
         self.clear_refusal();
         if let Phase::Placing(why) = self.phase {
             self.phase = Phase::Streaming;
-            if let Err(s) = self.place(why, seq).await {
-                return s;
-            }
+            self.place(why, seq).await?;
         }
         let m = f.message();
         let lane = self.p.lane_of(m.did());
@@ -100,7 +98,7 @@ impl Leader<'_, '_> {
         if let Err(error) = self.p.watermark.deliver(seq) {
             // Intake only reads while the window has room, and the client delivers in
             // increasing seq order: this is a bug, and skipping would lose the event.
-            return Fatal::Watermark { seq, error }.into();
+            return Err(Fatal::Watermark { seq, error }.into());
         }
         self.cx.status.add_events(1);
         let mut e = Event::new(f);
@@ -112,17 +110,17 @@ impl Leader<'_, '_> {
         if self.p.staged[lane].len() >= CHUNK {
             return self.flush_lane(lane).await;
         }
-        Step::Next
+        Ok(())
     }
 
     /// Sends lane `lane`'s staged events: at once when it has room (the fast path needs
     /// no waiters registered on the term and shutdown tokens), else waited for, guarded.
-    pub(super) async fn flush_lane(&mut self, lane: usize) -> Step {
+    pub(super) async fn flush_lane(&mut self, lane: usize) -> Result<(), Stop> {
         let chunk = std::mem::take(&mut self.p.staged[lane]);
         let full = match self.p.lanes[lane].try_reserve() {
             Ok(permit) => {
                 permit.send(chunk);
-                return Step::Next;
+                return Ok(());
             }
             Err(mpsc::error::TrySendError::Closed(())) => None,
             Err(mpsc::error::TrySendError::Full(())) => Some(chunk),
@@ -131,28 +129,25 @@ impl Leader<'_, '_> {
         let waited = match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
             Ok(Ok(permit)) => {
                 permit.send(chunk);
-                return Step::Next;
+                return Ok(());
             }
             Ok(Err(_)) => None,
             Err(i) => Some(i),
         };
         match waited {
-            Some(i) => i.into(),
+            Some(stop) => Err(stop),
             None => self.lane_gone().await,
         }
     }
 
     /// Sends every lane's staged events, waiting where a lane is full.
-    pub(super) async fn flush_all(&mut self) -> Step {
+    pub(super) async fn flush_all(&mut self) -> Result<(), Stop> {
         for lane in 0..self.p.lanes.len() {
             if !self.p.staged[lane].is_empty() {
-                let step = self.flush_lane(lane).await;
-                if !matches!(step, Step::Next) {
-                    return step;
-                }
+                self.flush_lane(lane).await?;
             }
         }
-        Step::Next
+        Ok(())
     }
 
     /// Records the event's time (the position by time); true when a switch's overlap
@@ -183,10 +178,10 @@ impl Leader<'_, '_> {
     }
 
     /// Steps the window over a seq that is not handed to a lane.
-    pub(super) fn pass(&mut self, seq: u64) -> Step {
+    pub(super) fn pass(&mut self, seq: u64) -> Result<(), Stop> {
         match self.p.pass(seq) {
-            Ok(()) => Step::Next,
-            Err(error) => Fatal::Watermark { seq, error }.into(),
+            Ok(()) => Ok(()),
+            Err(error) => Err(Fatal::Watermark { seq, error }.into()),
         }
     }
 }

@@ -111,21 +111,30 @@ impl Ctx<'_> {
     }
 }
 
-/// Why a wait inside a term ended early.
-enum Interrupted {
-    /// The term ended (lost, fenced, expired).
-    TermEnded,
+/// Why a term's work stops before its end: the one control type of every step. A step
+/// returns `Result<_, Stop>` (`Ok` goes on), and `?` carries a stop to the work loop,
+/// which ends the term with it.
+#[derive(Debug)]
+enum Stop {
     /// Shutdown requested: step down.
     Shutdown,
+    /// The term is over (lost, fenced, expired, or a fatal condition).
+    End(TermEnd),
+}
+
+impl From<Fatal> for Stop {
+    fn from(f: Fatal) -> Self {
+        Self::End(TermEnd::Fatal(f))
+    }
 }
 
 /// Runs `f` until it finishes, the term ends, or shutdown is requested: no await in the
 /// work loop may outlive either.
-async fn guarded<T>(cx: &Ctx<'_>, term: &Term, f: impl Future<Output = T>) -> Result<T, Interrupted> {
+async fn guarded<T>(cx: &Ctx<'_>, term: &Term, f: impl Future<Output = T>) -> Result<T, Stop> {
     tokio::select! {
         biased;
-        () = term.ended() => Err(Interrupted::TermEnded),
-        () = cx.shutdown.cancelled() => Err(Interrupted::Shutdown),
+        () = term.ended() => Err(Stop::End(TermEnd::Lost)),
+        () = cx.shutdown.cancelled() => Err(Stop::Shutdown),
         v = f => Ok(v),
     }
 }
@@ -143,11 +152,11 @@ async fn while_active<T, F: Future<Output = Result<T, StoreError>>>(
     term: &Term,
     what: &str,
     mut f: impl FnMut() -> F,
-) -> Result<Result<T, StoreError>, Interrupted> {
+) -> Result<Result<T, StoreError>, Stop> {
     let mut backoff = Backoff::new(STORE_RETRY);
     loop {
         if !term.is_active() {
-            return Err(Interrupted::TermEnded);
+            return Err(Stop::End(TermEnd::Lost));
         }
         match guarded(cx, term, f()).await? {
             Err(StoreError::Unavailable(e)) => {
@@ -157,31 +166,6 @@ async fn while_active<T, F: Future<Output = Result<T, StoreError>>>(
             }
             other => return Ok(other),
         }
-    }
-}
-
-/// What one step of the work loop decided.
-enum Step {
-    /// Go on reading.
-    Next,
-    /// Shutdown requested: step down.
-    Shutdown,
-    /// The term is over.
-    End(TermEnd),
-}
-
-impl From<Interrupted> for Step {
-    fn from(i: Interrupted) -> Self {
-        match i {
-            Interrupted::TermEnded => Self::End(TermEnd::Lost),
-            Interrupted::Shutdown => Self::Shutdown,
-        }
-    }
-}
-
-impl From<Fatal> for Step {
-    fn from(f: Fatal) -> Self {
-        Self::End(TermEnd::Fatal(f))
     }
 }
 
@@ -260,56 +244,56 @@ impl Leader<'_, '_> {
                     self.flush_all().await
                 };
                 match step {
-                    Step::Next => continue,
-                    Step::Shutdown => return None,
-                    Step::End(end) => return Some(self.ended(end)),
+                    Ok(()) => continue,
+                    Err(Stop::Shutdown) => return None,
+                    Err(Stop::End(end)) => return Some(self.ended(end)),
                 }
             }
             let step = tokio::select! {
                 biased;
-                () = cancel.cancelled() => Step::End(TermEnd::Lost),
-                () = self.cx.shutdown.cancelled() => Step::Shutdown,
+                () = cancel.cancelled() => Err(Stop::End(TermEnd::Lost)),
+                () = self.cx.shutdown.cancelled() => Err(Stop::Shutdown),
                 // Before the done results: a busy stream always has one ready, and a
                 // biased select would never reach the commit tick behind them.
                 _ = tick.tick() => self.tick(),
                 out = commit::landed(&mut self.flight) => self.on_landed(out),
                 Some(r) = self.p.done.recv() => match self.p.on_done(r) {
-                    Ok(()) => Step::Next,
+                    Ok(()) => Ok(()),
                     Err(why) => self.lane_stopped(why).await,
                 },
                 item = self.sub.next(), if has_room => self.on_item(item).await,
             };
             match step {
-                Step::Next => {}
-                Step::Shutdown => return None,
-                Step::End(end) => return Some(self.ended(end)),
+                Ok(()) => {}
+                Err(Stop::Shutdown) => return None,
+                Err(Stop::End(end)) => return Some(self.ended(end)),
             }
         }
     }
 
     /// A lane stopped for good: an invalid event under `fail` or a sink that cannot go on
     /// stops the consumer (everything before committed); anything else ends the term.
-    async fn lane_stopped(&mut self, why: LaneStop) -> Step {
+    async fn lane_stopped(&mut self, why: LaneStop) -> Result<(), Stop> {
         match why {
             LaneStop::Invalid(stop) => {
                 let (seq, invalid) = *stop;
-                self.stop(Fatal::Invalid { seq, invalid: Box::new(invalid) }).await
+                Err(self.stop(Fatal::Invalid { seq, invalid: Box::new(invalid) }).await)
             }
-            LaneStop::Handler(e @ HandlerError::Fatal { .. }) => self.stop(Fatal::Sink(e)).await,
-            LaneStop::Handler(_) => Step::End(TermEnd::Lost),
+            LaneStop::Handler(e @ HandlerError::Fatal { .. }) => Err(self.stop(Fatal::Sink(e)).await),
+            LaneStop::Handler(_) => Err(Stop::End(TermEnd::Lost)),
         }
     }
 
     /// A lane's queue closed under intake: a lane that stopped sent its reason before
     /// its queue closed, so it is on the done channel, behind the results it sent before
     /// (none there: it died, and the term ends).
-    async fn lane_gone(&mut self) -> Step {
+    async fn lane_gone(&mut self) -> Result<(), Stop> {
         while let Ok(r) = self.p.done.try_recv() {
             if let Err(why) = self.p.on_done(r) {
                 return self.lane_stopped(why).await;
             }
         }
-        Step::End(TermEnd::Lost)
+        Err(Stop::End(TermEnd::Lost))
     }
 
     fn ended(&self, end: TermEnd) -> TermEnd {

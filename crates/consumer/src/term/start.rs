@@ -7,7 +7,7 @@ use checkpoint::{Fence, ReadOutcome, RelayKey, StoreError};
 use lease::Term;
 use relay_client::{RelayRole, Subscription};
 
-use super::{Ctx, Interrupted, Leader, Phase, Rewind, Step, TermEnd, guarded, while_active};
+use super::{Ctx, Leader, Phase, Rewind, Stop, TermEnd, guarded, while_active};
 use crate::builder::Settings;
 use crate::continuity::Memory;
 use crate::error::Fatal;
@@ -23,7 +23,7 @@ pub(super) async fn resume_point(
     term: &Term,
     role: RelayRole,
     at_term_start: bool,
-) -> Result<Option<u64>, Step> {
+) -> Result<Option<u64>, Stop> {
     let fp = cx.url(role).fingerprint();
     let r = while_active(cx, term, "read cursor", || cx.store.read(fp)).await?;
     let r = r.map_err(|source| Fatal::ReadCursor { role, source })?;
@@ -117,6 +117,20 @@ impl Leader<'_, '_> {
 
 /// A term from its election to its end.
 pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
+    let mut l = match start(cx, term).await {
+        Ok(l) => l,
+        Err(Stop::End(end)) => return end,
+        Err(Stop::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+    };
+    match l.run().await {
+        Some(end) => end,
+        None => l.step_down().await,
+    }
+}
+
+/// The start of a term: the election announced to the store, the desynchronised repos
+/// and the relay the last leader was on read back, the position found and subscribed.
+async fn start<'a, 'c>(cx: &'a Ctx<'c>, term: Term) -> Result<Leader<'a, 'c>, Stop> {
     let token = term.token();
     cx.status.update(|s| {
         s.role = Role::Leader;
@@ -128,49 +142,35 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         keys.iter().map(|(f, h, r)| RelayKey { fingerprint: f, host_port: h, is_root: *r }).collect();
     let holder = term.holder();
     let fence = Fence { holder: &holder, token };
-    match while_active(cx, &term, "on election", || cx.store.on_elected(fence, &keys)).await {
-        Err(Interrupted::TermEnded) => return TermEnd::Lost,
-        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
-        Ok(Err(e @ StoreError::LegacyAmbiguous { .. })) => return TermEnd::Fatal(Fatal::LegacyAmbiguous(e)),
-        Ok(Err(e)) => return TermEnd::Fatal(Fatal::Elected(e)),
-        Ok(Ok(())) => {}
+    match while_active(cx, &term, "on election", || cx.store.on_elected(fence, &keys)).await? {
+        Err(e @ StoreError::LegacyAmbiguous { .. }) => return Err(Fatal::LegacyAmbiguous(e).into()),
+        Err(e) => return Err(Fatal::Elected(e).into()),
+        Ok(()) => {}
     }
     // The repos the last term knew to be desynchronised.
     if cx.store.keeps_repos() {
-        match guarded(cx, &term, cx.store.repos()).await {
-            Ok(Ok(kept)) => {
+        match guarded(cx, &term, cx.store.repos()).await? {
+            Ok(kept) => {
                 if !kept.is_empty() {
                     tracing::info!(repos = kept.len(), "desynchronised repos kept by the store");
                 }
                 cx.status.desync().load(&kept);
             }
-            Ok(Err(e)) => tracing::warn!(error = %e, "reading the desynchronised repos kept by the store failed"),
-            Err(Interrupted::TermEnded) => return TermEnd::Lost,
-            Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
+            Err(e) => tracing::warn!(error = %e, "reading the desynchronised repos kept by the store failed"),
         }
     }
     // Resume on the relay the last committing leader was on: its cursor is where the
     // stream stands (the other relay's is older, and numbered differently).
-    let active = match guarded(cx, &term, cx.store.active_relay()).await {
-        Ok(Ok(a)) => a,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "reading the active relay failed; starting on the primary");
-            None
-        }
-        Err(Interrupted::TermEnded) => return TermEnd::Lost,
-        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
-    };
+    let active = guarded(cx, &term, cx.store.active_relay()).await?.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "reading the active relay failed; starting on the primary");
+        None
+    });
     let on_secondary = cx.settings.secondary.as_ref().is_some_and(|s| active.as_deref() == Some(s.fingerprint()));
     let role = if on_secondary { RelayRole::Secondary } else { RelayRole::Primary };
     if on_secondary {
         tracing::info!("the last leader was on the secondary relay: resuming there");
     }
-    let cursor = match resume_point(cx, &term, role, true).await {
-        Ok(c) => c,
-        Err(Step::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
-        Err(Step::End(end)) => return end,
-        Err(Step::Next) => unreachable!("resume_point never asks to go on"),
-    };
+    let cursor = resume_point(cx, &term, role, true).await?;
     let s = cx.settings;
     let sub = Subscription::new(s.client.clone(), s.primary.clone(), s.secondary.clone());
     // What this term hands over, for the chain check and a relay switch's proof.
@@ -180,15 +180,10 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         Arc::new(Memory::new(repos, cx.shape.lanes_for(&cx.handler)))
     });
     // The position by time, as the last leader left it.
-    let stored_time = match guarded(cx, &term, cx.store.read_time(cx.url(role).fingerprint())).await {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "reading the stored time of the cursor failed");
-            None
-        }
-        Err(Interrupted::TermEnded) => return TermEnd::Lost,
-        Err(Interrupted::Shutdown) => return TermEnd::Shutdown(cx.lease.release().await),
-    };
+    let stored_time = guarded(cx, &term, cx.store.read_time(cx.url(role).fingerprint())).await?.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "reading the stored time of the cursor failed");
+        None
+    });
     let mut p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor, memory.as_ref());
     p.times.carry(stored_time);
     if let Some(m) = &memory {
@@ -218,8 +213,5 @@ pub(super) async fn run(cx: &Ctx<'_>, term: Term) -> TermEnd {
         commit_stalled: false,
     };
     l.begin(role, cursor);
-    match l.run().await {
-        Some(end) => end,
-        None => l.step_down().await,
-    }
+    Ok(l)
 }

@@ -9,7 +9,7 @@ use relay_client::client::SwitchReason;
 use relay_client::probe::{ProbeError, RelayWindow, Sample, find_start};
 
 use super::start::resume_point;
-use super::{Leader, Phase, Rewind, Step, guarded};
+use super::{Leader, Phase, Rewind, Stop, guarded};
 use crate::continuity::{self, GapPolicy, Overlap, Start};
 use crate::metrics as m;
 
@@ -85,7 +85,7 @@ fn rfc3339(ms: i64) -> String {
 impl Leader<'_, '_> {
     /// The client asks to switch from `from` to `to`: settle and commit `from`, then
     /// resume on `to` where the committed position is, or refuse and stay.
-    pub(super) async fn on_switch(&mut self, from: RelayRole, to: RelayRole, reason: SwitchReason) -> Step {
+    pub(super) async fn on_switch(&mut self, from: RelayRole, to: RelayRole, reason: SwitchReason) -> Result<(), Stop> {
         // While a refused switch stands, the target is probed again at most once per
         // probe interval; in between, the relay it had is retried.
         let every = self.cx.settings.client.probe_interval;
@@ -93,13 +93,11 @@ impl Leader<'_, '_> {
             && refused.probed.elapsed() < every
         {
             self.sub.stay();
-            return Step::Next;
+            return Ok(());
         }
         let kind = if reason == SwitchReason::Failback { "failback" } else { "failover" };
         metrics::counter!(m::RELAY_SWITCHES, "to" => to.as_str(), "kind" => kind).increment(1);
-        if let Err(s) = self.settle().await {
-            return s;
-        }
+        self.settle().await?;
         tracing::info!(
             from = from.as_str(),
             to = to.as_str(),
@@ -113,7 +111,7 @@ impl Leader<'_, '_> {
                 self.restart_on(to, cursor);
                 self.begin(to, cursor);
                 self.overlap = self.memory.is_some().then(|| Overlap::after(at, self.cx.overlap_ms()));
-                Step::Next
+                Ok(())
             }
             Ok(Err(why)) => {
                 // The settled pipeline's lanes are closed: a fresh one on the same relay,
@@ -121,9 +119,9 @@ impl Leader<'_, '_> {
                 let start = self.p.committed.or(self.sub.cursor());
                 self.restart_on(from, start);
                 self.refuse(from, &why, reason);
-                Step::Next
+                Ok(())
             }
-            Err(s) => s,
+            Err(s) => Err(s),
         }
     }
 
@@ -139,7 +137,7 @@ impl Leader<'_, '_> {
     /// stored cursor when that is inside the overlap, else found by time on the relay.
     /// A switch that would lose events (a real gap under `GapPolicy::Fail`, a relay that
     /// cannot be probed, no position known at all) is refused instead.
-    async fn switch_start(&mut self, to: RelayRole, at: Option<i64>) -> Result<Result<Option<u64>, Refusal>, Step> {
+    async fn switch_start(&mut self, to: RelayRole, at: Option<i64>) -> Result<Result<Option<u64>, Refusal>, Stop> {
         let (cx, opts) = (self.cx, &self.cx.settings.options);
         let stored = resume_point(cx, &self.term, to, false).await?;
         let Some(at) = at else {
@@ -275,16 +273,14 @@ impl Leader<'_, '_> {
     /// The relay went live after rejecting the cursor (`FutureCursor` under the `live`
     /// policy): live seqs may be lower than anything delivered so far, so finish and
     /// commit the old numbering, then start a fresh window placed by the first live seq.
-    pub(super) async fn went_live(&mut self, rejected: Option<u64>) -> Step {
-        if let Err(s) = self.settle().await {
-            return s;
-        }
+    pub(super) async fn went_live(&mut self, rejected: Option<u64>) -> Result<(), Stop> {
+        self.settle().await?;
         self.restart_on(self.role, None);
         let why = Rewind::WentLive(rejected);
         match &mut self.phase {
             Phase::Refused { placing, .. } => *placing = Some(why),
             other => *other = Phase::Placing(why),
         }
-        Step::Next
+        Ok(())
     }
 }
