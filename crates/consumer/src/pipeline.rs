@@ -43,17 +43,30 @@ const RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(100)
 /// per chunk instead of per event.
 pub(crate) const CHUNK: usize = 64;
 
+/// One stream's lanes and window: what intake delivers is staged per lane, sent to the
+/// lane's task, and completed when the lane reports it done; the window's watermark is
+/// what may be committed. The term drives it through its methods only.
 pub(crate) struct Pipeline {
-    pub(crate) lanes: Vec<mpsc::Sender<Vec<Event>>>,
+    lanes: Vec<mpsc::Sender<Vec<Event>>>,
     /// Per lane, events delivered to the window and not yet sent to the lane.
-    pub(crate) staged: Vec<Vec<Event>>,
+    staged: Vec<Vec<Event>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
-    pub(crate) done: mpsc::UnboundedReceiver<Done>,
-    pub(crate) watermark: Watermark,
-    pub(crate) ctx: BatchCtx,
-    pub(crate) committed: Option<u64>,
+    done: mpsc::UnboundedReceiver<Done>,
+    watermark: Watermark,
+    ctx: BatchCtx,
+    committed: Option<u64>,
     /// Relay times of delivered events, for the time at each committed cursor.
-    pub(crate) times: Times,
+    times: Times,
+}
+
+/// What [`Pipeline::try_send`] did with a lane's staged events.
+pub(crate) enum Sent {
+    /// Sent (or nothing was staged).
+    Done,
+    /// The lane's queue is full: still staged, for [`Pipeline::send`] to wait for room.
+    Full,
+    /// The lane's task ended.
+    Gone,
 }
 
 /// A pipeline's sizes and rendering.
@@ -139,6 +152,99 @@ impl Pipeline {
         }
     }
 
+    /// The batch context the lanes write under (term token, relay, fingerprint).
+    pub(crate) fn ctx(&self) -> &BatchCtx {
+        &self.ctx
+    }
+
+    /// The cursor last committed on this stream (its start before any commit).
+    pub(crate) fn committed(&self) -> Option<u64> {
+        self.committed
+    }
+
+    /// Records `c` as committed (an operator's or a rewind's value: may go lower).
+    pub(crate) fn set_committed(&mut self, c: u64) {
+        self.committed = Some(c);
+    }
+
+    /// Records `c` as committed unless a higher one already is.
+    pub(crate) fn raise_committed(&mut self, c: u64) {
+        self.committed = Some(self.committed.map_or(c, |done| done.max(c)));
+    }
+
+    /// The highest seq before which every delivered event is done.
+    pub(crate) fn committable(&self) -> Option<u64> {
+        self.watermark.committable()
+    }
+
+    /// Events delivered and not yet done.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.watermark.in_flight()
+    }
+
+    /// True while the window can take another event.
+    pub(crate) fn has_room(&self) -> bool {
+        self.watermark.has_room()
+    }
+
+    /// Records the relay time of the event at `seq`.
+    pub(crate) fn record_time(&mut self, seq: u64, t: i64) {
+        self.times.push(seq, t);
+    }
+
+    /// The relay time at the committed position, as far as known.
+    pub(crate) fn time_at_cursor(&self) -> Option<i64> {
+        self.times.at_cursor()
+    }
+
+    /// Carries a known time at the position into a new window.
+    pub(crate) fn carry_time(&mut self, t: Option<i64>) {
+        self.times.carry(t);
+    }
+
+    /// The relay time at `c`, forgetting the times before it.
+    pub(crate) fn take_time_until(&mut self, c: u64) -> Option<i64> {
+        self.times.take_until(c)
+    }
+
+    /// Delivers `e` (at `seq`) into the window and stages it for `lane`; true when the
+    /// lane's staged chunk is full and should be sent.
+    pub(crate) fn deliver(&mut self, seq: u64, lane: usize, e: Event) -> Result<bool, WatermarkError> {
+        self.watermark.deliver(seq)?;
+        self.staged[lane].push(e);
+        Ok(self.staged[lane].len() >= CHUNK)
+    }
+
+    /// True when lane `lane` has events staged.
+    pub(crate) fn has_staged_in(&self, lane: usize) -> bool {
+        !self.staged[lane].is_empty()
+    }
+
+    /// Sends lane `lane`'s staged events if its queue has room now, without waiting.
+    pub(crate) fn try_send(&mut self, lane: usize) -> Sent {
+        if self.staged[lane].is_empty() {
+            return Sent::Done;
+        }
+        match self.lanes[lane].try_reserve() {
+            Ok(permit) => {
+                permit.send(std::mem::take(&mut self.staged[lane]));
+                Sent::Done
+            }
+            Err(mpsc::error::TrySendError::Closed(())) => Sent::Gone,
+            Err(mpsc::error::TrySendError::Full(())) => Sent::Full,
+        }
+    }
+
+    /// The next result a lane reports.
+    pub(crate) async fn next_done(&mut self) -> Option<Done> {
+        self.done.recv().await
+    }
+
+    /// A result a lane has reported already, if any.
+    pub(crate) fn try_done(&mut self) -> Option<Done> {
+        self.done.try_recv().ok()
+    }
+
     /// The lane of a repo (FNV-1a of the DID).
     pub(crate) fn lane_of(&self, did: Option<&str>) -> usize {
         lane_of(did, self.staged.len())
@@ -149,6 +255,7 @@ impl Pipeline {
         self.staged.len()
     }
 
+    /// Takes in a lane's result: its seqs are done.
     pub(crate) fn on_done(&mut self, r: Done) -> Result<(), LaneStop> {
         for s in r? {
             self.watermark.complete(s);
@@ -171,7 +278,7 @@ impl Pipeline {
     }
 
     /// Sends lane `i`'s staged events, waiting for room; `false` when the lane is gone.
-    pub(crate) async fn flush_lane(&mut self, i: usize) -> bool {
+    pub(crate) async fn send(&mut self, i: usize) -> bool {
         let chunk = std::mem::take(&mut self.staged[i]);
         chunk.is_empty() || self.lanes[i].send(chunk).await.is_ok()
     }
@@ -179,7 +286,7 @@ impl Pipeline {
     /// Closes the lanes and waits until every delivered event is done.
     pub(crate) async fn drain(&mut self) -> Result<(), LaneStop> {
         for i in 0..self.lanes.len() {
-            if !self.flush_lane(i).await {
+            if !self.send(i).await {
                 return Err(LaneStop::Handler(HandlerError::failed("lanes", "ended with events staged")));
             }
         }

@@ -72,23 +72,23 @@ fn begin<'s>(cx: &Ctx<'s>, term: &lease::Term, p: &mut Pipeline, final_: bool, a
     if !term.is_active() {
         return Begun::Done(Commit::Fenced);
     }
-    let Some(c) = p.watermark.committable() else { return Begun::Done(Commit::Idle) };
-    if !again && p.committed.is_some_and(|done| done >= c) {
+    let Some(c) = p.committable() else { return Begun::Done(Commit::Idle) };
+    if !again && p.committed().is_some_and(|done| done >= c) {
         return Begun::Done(Commit::Idle);
     }
     if cx.handler.commits_cursor() {
         // The handler committed it in the same transaction as its writes (with the time
         // of its batch's last event); the time is still needed here for relay switches.
-        p.times.take_until(c);
-        p.committed = Some(c);
+        p.take_time_until(c);
+        p.set_committed(c);
         cx.status.update(|s| s.committed = Some(c));
         return Begun::Done(Commit::Committed(c));
     }
-    let relay = p.ctx.relay.as_str();
-    let span = tracing::info_span!("commit", cursor = c, token = p.ctx.token, relay, final_);
+    let relay = p.ctx().relay.as_str();
+    let span = tracing::info_span!("commit", cursor = c, token = p.ctx().token, relay, final_);
     let (holder, token) = (term.holder(), term.token());
-    let fingerprint = p.ctx.fingerprint.clone();
-    let time = p.times.take_until(c);
+    let fingerprint = p.ctx().fingerprint.clone();
+    let time = p.take_time_until(c);
     let store = cx.store;
     let write = async move {
         let fence = Fence { holder: &holder, token };
@@ -108,23 +108,23 @@ fn finish(cx: &Ctx<'_>, p: &mut Pipeline, c: u64, out: Result<CommitOutcome, Sto
     metrics::counter!(m::COMMITS, "outcome" => label).increment(1);
     match out {
         Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
-            if matches!(out, Ok(CommitOutcome::Saved)) && p.committed.is_some_and(|done| done >= c) {
+            if matches!(out, Ok(CommitOutcome::Saved)) && p.committed().is_some_and(|done| done >= c) {
                 tracing::warn!(cursor = c, "the store had lost this term's committed cursor: written again");
             }
-            p.committed = Some(p.committed.map_or(c, |done| done.max(c)));
-            cx.remember(&p.ctx.fingerprint, c, false);
-            cx.status.update(|s| s.committed = p.committed);
+            p.raise_committed(c);
+            cx.remember(&p.ctx().fingerprint, c, false);
+            cx.status.update(|s| s.committed = p.committed());
             Commit::Committed(c)
         }
         Ok(CommitOutcome::Fenced { current: None }) => {
             // No lease key at all (e.g. Redis lost its data): not proof of a newer term.
             // The lease either retakes the key or loses at its deadline; retry until then.
-            tracing::warn!(token = p.ctx.token, cursor = c, "commit refused: no lease key in the store; retrying");
+            tracing::warn!(token = p.ctx().token, cursor = c, "commit refused: no lease key in the store; retrying");
             Commit::Retry
         }
         Ok(CommitOutcome::Fenced { current }) => {
             tracing::error!(
-                token = p.ctx.token,
+                token = p.ctx().token,
                 ?current,
                 cursor = c,
                 "commit fenced: a newer term owns the cursor; stopping"
@@ -151,11 +151,11 @@ impl Leader<'_, '_> {
     /// `uncommitted_max` while there was something to commit (the cursor store does not
     /// take commits), intake waits until a commit lands.
     fn bound_uncommitted(&mut self) {
-        let committed = self.p.committed;
+        let committed = self.p.committed();
         if committed != self.committed_since.0 {
             self.committed_since = (committed, std::time::Instant::now());
         }
-        let pending = self.p.watermark.committable().is_some_and(|c| committed.is_none_or(|d| c > d));
+        let pending = self.p.committable().is_some_and(|c| committed.is_none_or(|d| c > d));
         let stalled = pending && self.committed_since.1.elapsed() >= self.cx.settings.options.uncommitted_max;
         if stalled != self.commit_stalled {
             self.commit_stalled = stalled;
@@ -178,14 +178,14 @@ impl Leader<'_, '_> {
         // A rewind replaces the cursor: no earlier write may land after it.
         self.land().await?;
         let (cx, term) = (self.cx, &self.term);
-        let fp = self.p.ctx.fingerprint.clone();
+        let fp = self.p.ctx().fingerprint.clone();
         let holder = term.holder();
         let fence = Fence { holder: &holder, token: term.token() };
         let out = while_active(cx, term, "reset cursor", || cx.store.write(Write::rewind(&fp, cursor), fence)).await?;
         match out {
             Ok(CommitOutcome::Saved | CommitOutcome::NotNewer { .. }) => {
                 cx.remember(&fp, cursor, true);
-                self.p.committed = Some(cursor);
+                self.p.set_committed(cursor);
                 cx.status.update(|s| s.committed = Some(cursor));
                 Ok(())
             }
@@ -248,15 +248,15 @@ impl Leader<'_, '_> {
             }
         }
         self.bound_uncommitted();
-        let position = self.p.times.at_cursor();
+        let position = self.p.time_at_cursor();
         if self.overlap.as_ref().is_some_and(|o| o.over(position)) {
             tracing::info!(relay = self.role.as_str(), "switch overlap over: no more duplicates to drop");
             self.overlap = None;
         }
-        let (delivered, in_flight) = (self.sub.cursor(), self.p.watermark.in_flight());
-        let lag = delivered.zip(self.p.committed).map_or(0, |(d, c)| d.saturating_sub(c));
+        let (delivered, in_flight) = (self.sub.cursor(), self.p.in_flight());
+        let lag = delivered.zip(self.p.committed()).map_or(0, |(d, c)| d.saturating_sub(c));
         metrics::gauge!(m::UNCOMMITTED_SEQ).set(lag as f64);
-        if let Some(c) = self.p.committed {
+        if let Some(c) = self.p.committed() {
             metrics::gauge!(m::COMMITTED_SEQ).set(c as f64);
         }
         let lag_seconds = age_seconds(&self.last_time);

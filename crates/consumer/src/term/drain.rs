@@ -58,7 +58,7 @@ impl Leader<'_, '_> {
     pub(super) async fn step_down(mut self) -> TermEnd {
         let cx = self.cx;
         cx.status.update(|s| s.role = Role::SteppingDown);
-        tracing::info!(token = self.term.token(), in_flight = self.p.watermark.in_flight(), "draining before release");
+        tracing::info!(token = self.term.token(), in_flight = self.p.in_flight(), "draining before release");
         self.sub.close().await;
         let Leader { term, mut p, flight, .. } = self;
         let drain = async {
@@ -75,11 +75,11 @@ impl Leader<'_, '_> {
                 if commit(cx, &term, &mut p, true).await == Commit::Fenced {
                     return Err("final commit fenced or the term ended".to_owned());
                 }
-                if p.committed == p.watermark.committable() {
+                if p.committed() == p.committable() {
                     return Ok::<(), String>(());
                 }
                 tracing::warn!(
-                    cursor = p.watermark.committable(),
+                    cursor = p.committable(),
                     retry_ms = 100,
                     "final commit did not land yet; retrying while the term lasts"
                 );

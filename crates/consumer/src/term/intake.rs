@@ -3,7 +3,6 @@
 
 use relay_client::probe::time_ms;
 use relay_client::{Item, Message, Notice, OwnedFrame, SubscribeError};
-use tokio::sync::mpsc;
 
 use super::{Ctx, Leader, Phase, Stop, guarded};
 use crate::chain::{ChainBreak, ChainBreaks};
@@ -11,7 +10,7 @@ use crate::continuity::Key;
 use crate::error::Fatal;
 use crate::handler::Event;
 use crate::metrics as m;
-use crate::pipeline::CHUNK;
+use crate::pipeline::Sent;
 
 /// This process's clock, Unix ms.
 fn now_ms() -> i64 {
@@ -95,56 +94,42 @@ impl Leader<'_, '_> {
             self.last_time.clear();
             self.last_time.push_str(t);
         }
-        if let Err(error) = self.p.watermark.deliver(seq) {
-            // Intake only reads while the window has room, and the client delivers in
-            // increasing seq order: this is a bug, and skipping would lose the event.
-            return Err(Fatal::Watermark { seq, error }.into());
-        }
-        self.cx.status.add_events(1);
         let mut e = Event::new(f);
         e.hidden = hidden;
         if let Some(b) = emit {
             e.set_chain_break(b);
         }
-        self.p.staged[lane].push(e);
-        if self.p.staged[lane].len() >= CHUNK {
-            return self.flush_lane(lane).await;
+        // Intake only reads while the window has room, and the client delivers in
+        // increasing seq order: an error here is a bug, and skipping would lose the event.
+        let full = self.p.deliver(seq, lane, e).map_err(|error| Fatal::Watermark { seq, error })?;
+        self.cx.status.add_events(1);
+        if full {
+            return self.send(lane).await;
         }
         Ok(())
     }
 
     /// Sends lane `lane`'s staged events: at once when it has room (the fast path needs
     /// no waiters registered on the term and shutdown tokens), else waited for, guarded.
-    pub(super) async fn flush_lane(&mut self, lane: usize) -> Result<(), Stop> {
-        let chunk = std::mem::take(&mut self.p.staged[lane]);
-        let full = match self.p.lanes[lane].try_reserve() {
-            Ok(permit) => {
-                permit.send(chunk);
-                return Ok(());
+    pub(super) async fn send(&mut self, lane: usize) -> Result<(), Stop> {
+        match self.p.try_send(lane) {
+            Sent::Done => Ok(()),
+            Sent::Gone => self.lane_gone().await,
+            Sent::Full => {
+                if guarded(self.cx, &self.term, self.p.send(lane)).await? {
+                    Ok(())
+                } else {
+                    self.lane_gone().await
+                }
             }
-            Err(mpsc::error::TrySendError::Closed(())) => None,
-            Err(mpsc::error::TrySendError::Full(())) => Some(chunk),
-        };
-        let Some(chunk) = full else { return self.lane_gone().await };
-        let waited = match guarded(self.cx, &self.term, self.p.lanes[lane].reserve()).await {
-            Ok(Ok(permit)) => {
-                permit.send(chunk);
-                return Ok(());
-            }
-            Ok(Err(_)) => None,
-            Err(i) => Some(i),
-        };
-        match waited {
-            Some(stop) => Err(stop),
-            None => self.lane_gone().await,
         }
     }
 
     /// Sends every lane's staged events, waiting where a lane is full.
-    pub(super) async fn flush_all(&mut self) -> Result<(), Stop> {
-        for lane in 0..self.p.lanes.len() {
-            if !self.p.staged[lane].is_empty() {
-                self.flush_lane(lane).await?;
+    pub(super) async fn send_all(&mut self) -> Result<(), Stop> {
+        for lane in 0..self.p.lane_count() {
+            if self.p.has_staged_in(lane) {
+                self.send(lane).await?;
             }
         }
         Ok(())
@@ -158,7 +143,7 @@ impl Leader<'_, '_> {
         // A PDS clock ahead of this one's (plus the allowance) is not believed.
         let time = time.map(|t| t.min(now_ms().saturating_add(self.cx.skew_ms())));
         if let Some(t) = time {
-            self.p.times.push(seq, t);
+            self.p.record_time(seq, t);
         }
         let (Some(o), Some(memory)) = (&mut self.overlap, &self.memory) else { return false };
         o.drops(memory, lane, Key::of(m))

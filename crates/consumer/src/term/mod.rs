@@ -230,7 +230,7 @@ impl Leader<'_, '_> {
         let cancel = self.term.cancellation();
         let mut burst = 0usize;
         loop {
-            let has_room = self.p.watermark.has_room() && !self.commit_stalled;
+            let has_room = self.p.has_room() && !self.commit_stalled;
             if self.p.has_staged() {
                 // Read on while the socket has frames ready (a bounded burst, so the tick,
                 // the lanes' results and cancellation are still seen); before waiting,
@@ -241,7 +241,7 @@ impl Leader<'_, '_> {
                     self.on_item(item).await
                 } else {
                     burst = 0;
-                    self.flush_all().await
+                    self.send_all().await
                 };
                 match step {
                     Ok(()) => continue,
@@ -257,7 +257,7 @@ impl Leader<'_, '_> {
                 // biased select would never reach the commit tick behind them.
                 _ = tick.tick() => self.tick(),
                 out = commit::landed(&mut self.flight) => self.on_landed(out),
-                Some(r) = self.p.done.recv() => match self.p.on_done(r) {
+                Some(r) = self.p.next_done() => match self.p.on_done(r) {
                     Ok(()) => Ok(()),
                     Err(why) => self.lane_stopped(why).await,
                 },
@@ -288,7 +288,7 @@ impl Leader<'_, '_> {
     /// its queue closed, so it is on the done channel, behind the results it sent before
     /// (none there: it died, and the term ends).
     async fn lane_gone(&mut self) -> Result<(), Stop> {
-        while let Ok(r) = self.p.done.try_recv() {
+        while let Some(r) = self.p.try_done() {
             if let Err(why) = self.p.on_done(r) {
                 return self.lane_stopped(why).await;
             }

@@ -99,7 +99,7 @@ impl Leader<'_, '_> {
     /// Subscribes to `role` from `cursor` on the current pipeline: a stream with no
     /// known position is placed by its first seq.
     pub(super) fn begin(&mut self, role: RelayRole, cursor: Option<u64>) {
-        let fp = self.p.ctx.fingerprint.clone();
+        let fp = self.p.ctx().fingerprint.clone();
         self.role = role;
         self.phase = match cursor {
             None => Phase::Placing(Rewind::FreshStart),
@@ -185,7 +185,7 @@ async fn start<'a, 'c>(cx: &'a Ctx<'c>, term: Term) -> Result<Leader<'a, 'c>, St
         None
     });
     let mut p = Pipeline::new(&cx.shape, &cx.handler, cx.batch_ctx(&term, role), cursor, memory.as_ref());
-    p.times.carry(stored_time);
+    p.carry_time(stored_time);
     if let Some(m) = &memory {
         // The memory holds what this term hands over: from the relay's first event it
         // holds everything; else what earlier terms handed over lies before the stored

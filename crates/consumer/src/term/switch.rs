@@ -101,10 +101,10 @@ impl Leader<'_, '_> {
         tracing::info!(
             from = from.as_str(),
             to = to.as_str(),
-            committed = self.p.committed,
+            committed = self.p.committed(),
             "relay switch: committed the current relay first"
         );
-        let at = self.p.times.at_cursor();
+        let at = self.p.time_at_cursor();
         match self.switch_start(to, at).await {
             Ok(Ok(cursor)) => {
                 self.clear_refusal();
@@ -116,7 +116,7 @@ impl Leader<'_, '_> {
             Ok(Err(why)) => {
                 // The settled pipeline's lanes are closed: a fresh one on the same relay,
                 // from the committed position.
-                let start = self.p.committed.or(self.sub.cursor());
+                let start = self.p.committed().or(self.sub.cursor());
                 self.restart_on(from, start);
                 self.refuse(from, &why, reason);
                 Ok(())
@@ -128,9 +128,9 @@ impl Leader<'_, '_> {
     /// A fresh pipeline on `role` from `start` after the current one settled, carrying
     /// the position by time over (relay switches, a relay going live, a refused switch).
     pub(super) fn restart_on(&mut self, role: RelayRole, start: Option<u64>) {
-        let at = self.p.times.at_cursor();
+        let at = self.p.time_at_cursor();
         self.p = self.pipeline(role, start);
-        self.p.times.carry(at);
+        self.p.carry_time(at);
     }
 
     /// Where to resume on `to` after committing the current relay at relay time `at`: its
