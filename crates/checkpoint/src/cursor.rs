@@ -45,7 +45,7 @@ pub enum CommitOutcome {
 }
 
 /// Why a store call failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store could not be reached, timed out, or refused. Fail closed: never start a
     /// subscription on an unknown cursor.

@@ -407,13 +407,20 @@ mod tests {
         let keys = [RelayKey { fingerprint: &fp, host_port: "r:443", is_root: true }];
         s.on_elected(Fence { holder: "a:1", token: 1 }, &keys).await.expect("a claims");
         let advance = crate::Write::advance(&fp, 10, None);
-        assert_eq!(s.write(advance, Fence { holder: "a:1", token: 1 }).await, Ok(CommitOutcome::Saved));
+        assert_eq!(
+            s.write(advance, Fence { holder: "a:1", token: 1 }).await.map_err(|e| e.to_string()),
+            Ok(CommitOutcome::Saved)
+        );
         let claim = async {
             s.on_elected(Fence { holder: "b:2", token: 2 }, &keys).await.expect("b claims");
         };
         let out = s.write_with(crate::Write::advance(&fp, 20, None), 1, claim).await;
-        assert_eq!(out, Ok(CommitOutcome::Fenced { current: Some(2) }));
-        assert_eq!(s.read(&fp).await, Ok(ReadOutcome::Found(10)), "the stale write did not land");
+        assert_eq!(out.map_err(|e| e.to_string()), Ok(CommitOutcome::Fenced { current: Some(2) }));
+        assert_eq!(
+            s.read(&fp).await.map_err(|e| e.to_string()),
+            Ok(ReadOutcome::Found(10)),
+            "the stale write did not land"
+        );
     }
 
     #[test]

@@ -61,24 +61,28 @@ async fn the_write_seam_advances_rewinds_and_fences() {
 async fn stale_token_is_refused_once_the_new_term_claimed() {
     let server = NatsServer::start();
     let s = NatsStore::new(&nats(&server.url()).await, "fk");
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Missing));
     let (a, ta) = leader(&server.url(), "fk", "a").await;
     s.on_elected(fence(&ta.holder()), &relays()).await.expect("claim");
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing), "a claim does not invent a cursor");
-    assert_eq!(s.commit(FP, 10, fence(&ta.holder())).await, Ok(CommitOutcome::Saved));
+    assert_eq!(
+        s.read(FP).await.map_err(|e| e.to_string()),
+        Ok(ReadOutcome::Missing),
+        "a claim does not invent a cursor"
+    );
+    assert_eq!(s.commit(FP, 10, fence(&ta.holder())).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     a.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(2)).await.expect("release");
     let (_b, tb) = leader(&server.url(), "fk", "b").await;
     assert!(tb.token() > ta.token());
     s.on_elected(fence(&tb.holder()), &relays()).await.expect("claim");
     assert_eq!(
-        s.commit(FP, 50, fence(&ta.holder())).await,
+        s.commit(FP, 50, fence(&ta.holder())).await.map_err(|e| e.to_string()),
         Ok(CommitOutcome::Fenced { current: Some(tb.token()) }),
         "old term refused"
     );
     assert!(s.on_elected(fence(&ta.holder()), &relays()).await.is_err(), "an old term cannot claim back");
-    assert_eq!(s.commit(FP, 20, fence(&tb.holder())).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(20)));
-    assert_eq!(s.fence_floor().await, Ok(Some(tb.token())));
+    assert_eq!(s.commit(FP, 20, fence(&tb.holder())).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(20)));
+    assert_eq!(s.fence_floor().await.map_err(|e| e.to_string()), Ok(Some(tb.token())));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,26 +91,41 @@ async fn commits_never_move_backwards_a_rewind_may_and_time_and_active_relay_fol
     let s = NatsStore::new(&nats(&server.url()).await, "m");
     let f = fence("a:3");
     s.on_elected(f, &relays()).await.expect("claim");
-    assert_eq!(s.commit_at(FP, 100, Some(77), f).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read_time(FP).await, Ok(Some(77)));
-    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
-    assert_eq!(s.commit_at(FP, 99, Some(99), f).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
-    assert_eq!(s.commit(FP, 100, f).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
-    assert_eq!(s.read_time(FP).await, Ok(Some(77)), "a refused commit leaves the time");
-    assert_eq!(s.commit(FP, checkpoint::MAX_SEQ + 1, f).await, Err(StoreError::OutOfRange(checkpoint::MAX_SEQ + 1)));
-    assert_eq!(s.commit_at("other", 5, Some(1), fence("old:2")).await, Ok(CommitOutcome::Fenced { current: Some(3) }));
-    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())), "a fenced commit moves nothing");
-    assert_eq!(s.commit_at("other", 5, Some(1), f).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.active_relay().await, Ok(Some("other".to_owned())));
-    assert_eq!(s.reset(FP, 40, f).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(40)), "a fenced rewind may go lower");
-    assert_eq!(s.read_time(FP).await, Ok(None), "and forgets the time");
-    assert_eq!(s.commit_at(FP, 45, Some(5), f).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit_at(FP, 100, Some(77), f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(Some(77)));
+    assert_eq!(s.active_relay().await.map_err(|e| e.to_string()), Ok(Some(FP.to_owned())));
+    assert_eq!(
+        s.commit_at(FP, 99, Some(99), f).await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::NotNewer { stored: 100 })
+    );
+    assert_eq!(s.commit(FP, 100, f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::NotNewer { stored: 100 }));
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(Some(77)), "a refused commit leaves the time");
+    assert!(
+        matches!(s.commit(FP, checkpoint::MAX_SEQ + 1, f).await, Err(StoreError::OutOfRange(n)) if n == checkpoint::MAX_SEQ + 1)
+    );
+    assert_eq!(
+        s.commit_at("other", 5, Some(1), fence("old:2")).await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Fenced { current: Some(3) })
+    );
+    assert_eq!(
+        s.active_relay().await.map_err(|e| e.to_string()),
+        Ok(Some(FP.to_owned())),
+        "a fenced commit moves nothing"
+    );
+    assert_eq!(s.commit_at("other", 5, Some(1), f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.active_relay().await.map_err(|e| e.to_string()), Ok(Some("other".to_owned())));
+    assert_eq!(s.reset(FP, 40, f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(40)), "a fenced rewind may go lower");
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(None), "and forgets the time");
+    assert_eq!(s.commit_at(FP, 45, Some(5), f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     s.force(FP, 10).await.expect("force");
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(10)));
-    assert_eq!(s.read_time(FP).await, Ok(None), "cursor set forgets the time");
-    assert_eq!(s.commit(FP, 11, f).await, Ok(CommitOutcome::Saved), "force keeps the fence");
-    assert_eq!(s.commit(FP, 12, fence("old:2")).await, Ok(CommitOutcome::Fenced { current: Some(3) }));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(10)));
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(None), "cursor set forgets the time");
+    assert_eq!(s.commit(FP, 11, f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved), "force keeps the fence");
+    assert_eq!(
+        s.commit(FP, 12, fence("old:2")).await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Fenced { current: Some(3) })
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,15 +143,15 @@ async fn corrupt_values_read_as_corrupt_and_are_overwritten_by_a_commit() {
             other => panic!("{:?}: {other:?}", String::from_utf8_lossy(&bad[..bad.len().min(10)])),
         }
     }
-    assert_eq!(s.commit(FP, 7, fence("x:3")).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(7)));
+    assert_eq!(s.commit(FP, 7, fence("x:3")).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(7)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unavailable_nats_fails_closed_and_a_restart_keeps_the_cursor() {
     let mut server = NatsServer::start();
     let s = NatsStore::new(&nats(&server.url()).await, "u");
-    assert_eq!(s.commit(FP, 5, fence("a:1")).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 5, fence("a:1")).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     server.pause();
     let t0 = std::time::Instant::now();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
@@ -143,7 +162,7 @@ async fn unavailable_nats_fails_closed_and_a_restart_keeps_the_cursor() {
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
     server.restart();
     testkit::eventually("reads again after the restart", testkit::WAIT, async || {
-        s.read(FP).await == Ok(ReadOutcome::Found(5))
+        matches!(s.read(FP).await, Ok(ReadOutcome::Found(5)))
     })
     .await;
 }
@@ -178,7 +197,7 @@ async fn concurrent_committers_only_the_newest_term_lands_and_the_maximum_wins()
             }
         }
     }
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(max_saved)));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(max_saved)));
     assert_eq!(max_saved, 1190);
 }
 
@@ -251,9 +270,9 @@ async fn saved_commits_reach_followers() {
         f.follow_commits(Box::new(move |fp, c, reset| t.lock().expect("seen").push((fp.to_owned(), c, reset)))).await;
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(s.commit(FP, 5, fence("a:1")).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 9, fence("a:1")).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.reset(FP, 2, fence("a:1")).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 5, fence("a:1")).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 9, fence("a:1")).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.reset(FP, 2, fence("a:1")).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     testkit::eventually("three commits followed", testkit::WAIT, async || seen.lock().expect("seen").len() >= 3).await;
     let got = seen.lock().expect("seen").clone();
     assert_eq!(got, vec![(FP.to_owned(), 5, false), (FP.to_owned(), 9, false), (FP.to_owned(), 2, true)]);

@@ -62,20 +62,20 @@ async fn the_write_seam_advances_rewinds_and_fences() {
 async fn stale_token_is_refused_while_the_new_leaders_commit_lands() {
     let redis = RedisServer::start();
     let s = store(&redis.url(), "fk");
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Missing));
     let (a, _ea, ta) = leader(&redis.url(), "fk", "a").await;
-    assert_eq!(s.commit(FP, 10, &ta.holder()).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 10, &ta.holder()).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     // a hands over; b is elected with a greater token.
     a.step_down_with(async { Ok::<(), String>(()) }, Duration::from_secs(2)).await.expect("release");
     let (_b, _eb, tb) = leader(&redis.url(), "fk", "b").await;
     assert!(tb.token() > ta.token());
     assert_eq!(
-        s.commit(FP, 50, &ta.holder()).await,
+        s.commit(FP, 50, &ta.holder()).await.map_err(|e| e.to_string()),
         Ok(CommitOutcome::Fenced { current: Some(tb.token()) }),
         "old term refused"
     );
-    assert_eq!(s.commit(FP, 20, &tb.holder()).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(20)));
+    assert_eq!(s.commit(FP, 20, &tb.holder()).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(20)));
     // The highest token seen is kept beside the cursor.
     assert_eq!(get(&redis, "{fk}:fence-seen"), Some(tb.token().to_string()));
 }
@@ -85,12 +85,17 @@ async fn commits_never_move_backwards_and_tokens_outlive_a_lost_fence_counter() 
     let redis = RedisServer::start();
     let s = store(&redis.url(), "m");
     let (h, _e, t) = leader(&redis.url(), "m", "a").await;
-    assert_eq!(s.commit(FP, 100, &t.holder()).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 99, &t.holder()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
-    assert_eq!(s.commit(FP, 100, &t.holder()).await, Ok(CommitOutcome::NotNewer { stored: 100 }));
+    assert_eq!(s.commit(FP, 100, &t.holder()).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     assert_eq!(
-        s.commit(FP, checkpoint::MAX_SEQ + 1, &t.holder()).await,
-        Err(StoreError::OutOfRange(checkpoint::MAX_SEQ + 1))
+        s.commit(FP, 99, &t.holder()).await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::NotNewer { stored: 100 })
+    );
+    assert_eq!(
+        s.commit(FP, 100, &t.holder()).await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::NotNewer { stored: 100 })
+    );
+    assert!(
+        matches!(s.commit(FP, checkpoint::MAX_SEQ + 1, &t.holder()).await, Err(StoreError::OutOfRange(n)) if n == checkpoint::MAX_SEQ + 1)
     );
     h.shutdown().await;
     // Redis loses the fence counter; the next token still exceeds every one a commit saw.
@@ -115,13 +120,13 @@ async fn corrupt_and_oversized_values_read_as_corrupt_and_are_overwritten_by_a_c
         }
     }
     set(&redis, "{c}:lease", b"x:3");
-    assert_eq!(s.commit(FP, 7, "x:3").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(7)));
+    assert_eq!(s.commit(FP, 7, "x:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(7)));
     // The script's bound is MAX_SEQ too: one above it is corrupt there as well, so a
     // commit replaces it instead of being refused as not newer.
     set(&redis, &key, (checkpoint::MAX_SEQ + 1).to_string().as_bytes());
-    assert_eq!(s.commit(FP, 8, "x:3").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(8)));
+    assert_eq!(s.commit(FP, 8, "x:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(8)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,7 +142,11 @@ async fn unavailable_redis_fails_closed() {
     redis.kill();
     assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
     redis.restart();
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing), "works again after a fresh connection");
+    assert_eq!(
+        s.read(FP).await.map_err(|e| e.to_string()),
+        Ok(ReadOutcome::Missing),
+        "works again after a fresh connection"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,7 +177,7 @@ async fn concurrent_committers_only_the_holder_lands_and_the_maximum_wins() {
             }
         }
     }
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(max_saved)));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(max_saved)));
     assert_eq!(max_saved, 1990);
 }
 
@@ -179,24 +188,28 @@ async fn legacy_cursors_migrate_for_root_urls_only() {
     let new_key = format!("{{l}}:cursor:{FP}");
     // Root URL, no new key: the legacy value moves over and the old key goes.
     set(&redis, "wisp:firehose-cursor:bsky.network", b"500");
-    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await, Ok(Some(500)));
+    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await.map_err(|e| e.to_string()), Ok(Some(500)));
     assert_eq!(get(&redis, &new_key).as_deref(), Some("500"));
     assert_eq!(get(&redis, "wisp:firehose-cursor:bsky.network"), None);
     // The new key is ahead: it never moves backwards, the old key still goes.
     set(&redis, &new_key, b"900");
     set(&redis, "wisp:firehose-cursor:bsky.network", b"600");
-    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await, Ok(Some(600)));
+    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await.map_err(|e| e.to_string()), Ok(Some(600)));
     assert_eq!(get(&redis, &new_key).as_deref(), Some("900"));
     // A corrupt legacy value is left alone.
     set(&redis, "wisp:firehose-cursor:bsky.network", b"junk");
-    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await, Ok(None));
+    assert_eq!(s.migrate_legacy(FP, "bsky.network", true).await.map_err(|e| e.to_string()), Ok(None));
     assert_eq!(get(&redis, "wisp:firehose-cursor:bsky.network").as_deref(), Some("junk"));
     // A URL with a path and a legacy key: refuse, naming the fix.
     set(&redis, "wisp:firehose-cursor:relay.example:8443", b"5");
     let e = s.migrate_legacy(FP, "relay.example:8443", false).await.expect_err("ambiguous");
     assert!(matches!(&e, StoreError::LegacyAmbiguous { host } if host == "relay.example:8443"));
     assert!(e.to_string().contains("set this relay's cursor explicitly"), "{e}");
-    assert_eq!(s.migrate_legacy(FP, "other.example", false).await, Ok(None), "no legacy key: nothing to do");
+    assert_eq!(
+        s.migrate_legacy(FP, "other.example", false).await.map_err(|e| e.to_string()),
+        Ok(None),
+        "no legacy key: nothing to do"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,9 +259,12 @@ async fn saved_commits_are_published_for_standbys_to_shadow() {
         },
     ));
     tokio::time::sleep(Duration::from_millis(300)).await; // subscribed
-    assert_eq!(s.commit(FP, 10, "a:3").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 5, "a:3").await, Ok(CommitOutcome::NotNewer { stored: 10 }));
-    assert_eq!(s.commit(FP, 20, "a:2").await, Ok(CommitOutcome::Fenced { current: Some(3) }));
+    assert_eq!(s.commit(FP, 10, "a:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 5, "a:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::NotNewer { stored: 10 }));
+    assert_eq!(
+        s.commit(FP, 20, "a:2").await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Fenced { current: Some(3) })
+    );
     timeout(Duration::from_secs(10), async {
         while seen.lock().expect("seen").is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -257,8 +273,8 @@ async fn saved_commits_are_published_for_standbys_to_shadow() {
     .await
     .expect("published");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(s.reset(FP, 4, "a:3").await, Ok(CommitOutcome::Saved), "a fenced rewind");
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(4)));
+    assert_eq!(s.reset(FP, 4, "a:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved), "a fenced rewind");
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(4)));
     timeout(Duration::from_secs(10), async {
         while seen.lock().expect("seen").len() < 2 {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -282,13 +298,19 @@ async fn a_commit_fences_on_the_whole_holder_value_not_only_the_token_number() {
     // loss): the stale holder "old:5" must be refused although its number matches.
     set(&redis, "{hv}:lease", b"new:5");
     let s = store(&redis.url(), "hv");
-    assert_eq!(s.commit(FP, 10, "old:5").await, Ok(CommitOutcome::Fenced { current: Some(5) }));
-    assert_eq!(s.reset(FP, 10, "old:5").await, Ok(CommitOutcome::Fenced { current: Some(5) }));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Missing), "nothing landed");
-    assert_eq!(s.commit(FP, 10, "new:5").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.commit(FP, 3, "new:5").await, Ok(CommitOutcome::NotNewer { stored: 10 }));
-    assert_eq!(s.reset(FP, 3, "new:5").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)));
+    assert_eq!(
+        s.commit(FP, 10, "old:5").await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Fenced { current: Some(5) })
+    );
+    assert_eq!(
+        s.reset(FP, 10, "old:5").await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Fenced { current: Some(5) })
+    );
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Missing), "nothing landed");
+    assert_eq!(s.commit(FP, 10, "new:5").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.commit(FP, 3, "new:5").await.map_err(|e| e.to_string()), Ok(CommitOutcome::NotNewer { stored: 10 }));
+    assert_eq!(s.reset(FP, 3, "new:5").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(3)));
     assert!(matches!(s.commit(FP, 4, "no-token").await, Err(StoreError::Protocol(_))));
 }
 
@@ -300,17 +322,24 @@ async fn commit_at_keeps_time_and_active_relay_fenced() {
     let redis = RedisServer::start();
     let s = store(&redis.url(), "t");
     set(&redis, "{t}:lease", b"x:3");
-    assert_eq!(s.read_time(FP).await, Ok(None), "old-format cursors have no time");
-    assert_eq!(s.commit_at(FP, 10, Some(1_700_000_000_123), "x:3").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read_time(FP).await, Ok(Some(1_700_000_000_123)));
-    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())));
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(None), "old-format cursors have no time");
+    assert_eq!(
+        s.commit_at(FP, 10, Some(1_700_000_000_123), "x:3").await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Saved)
+    );
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(Some(1_700_000_000_123)));
+    assert_eq!(s.active_relay().await.map_err(|e| e.to_string()), Ok(Some(FP.to_owned())));
     assert!(matches!(s.commit_at("other", 11, Some(5), "x:2").await, Ok(CommitOutcome::Fenced { .. })));
-    assert_eq!(s.active_relay().await, Ok(Some(FP.to_owned())), "a fenced commit moves nothing");
-    assert_eq!(s.read_time("other").await, Ok(None));
-    assert_eq!(s.reset(FP, 4, "x:3").await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read_time(FP).await, Ok(None), "a rewind has no time of its own");
-    assert_eq!(s.commit_at(FP, 12, Some(9), "x:3").await, Ok(CommitOutcome::Saved));
+    assert_eq!(
+        s.active_relay().await.map_err(|e| e.to_string()),
+        Ok(Some(FP.to_owned())),
+        "a fenced commit moves nothing"
+    );
+    assert_eq!(s.read_time("other").await.map_err(|e| e.to_string()), Ok(None));
+    assert_eq!(s.reset(FP, 4, "x:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(None), "a rewind has no time of its own");
+    assert_eq!(s.commit_at(FP, 12, Some(9), "x:3").await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     s.force(FP, 3).await.expect("force");
-    assert_eq!(s.read_time(FP).await, Ok(None), "cursor set has no time of its own");
-    assert_eq!(s.read(FP).await, Ok(ReadOutcome::Found(3)));
+    assert_eq!(s.read_time(FP).await.map_err(|e| e.to_string()), Ok(None), "cursor set has no time of its own");
+    assert_eq!(s.read(FP).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(3)));
 }

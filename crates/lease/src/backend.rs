@@ -7,7 +7,7 @@ use tokio::sync::Notify;
 
 /// Why a backend call failed. All of these are "outcome unknown": the supervisor keeps
 /// leading until its deadline and tries again.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     /// The call did not finish within the op timeout; the connection was dropped.
     #[error("lease store call timed out after {0:?}")]

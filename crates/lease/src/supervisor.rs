@@ -192,7 +192,7 @@ pub enum Status {
 }
 
 /// Why a voluntary step-down did not end in a clean release.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum StepDownError {
     /// The drain reported an error; the lease was left to expire.
     #[error("drain failed ({0}); lease left to expire")]
@@ -205,7 +205,7 @@ pub enum StepDownError {
     Lost,
     /// The release call failed; the lease will expire on its own.
     #[error("release failed: {0}; the lease will expire on its own")]
-    ReleaseFailed(BackendError),
+    ReleaseFailed(#[source] BackendError),
     /// The supervisor task is gone.
     #[error("lease supervisor is not running")]
     Gone,
@@ -823,8 +823,9 @@ impl Supervisor {
                         Command::Release(r) => {
                             self.stopping = true;
                             let res = self.release(term).await;
-                            let _ = r.send(res.clone());
-                            return if res.is_ok() { LeadEnd::Released } else { LeadEnd::Abandoned };
+                            let end = if res.is_ok() { LeadEnd::Released } else { LeadEnd::Abandoned };
+                            let _ = r.send(res);
+                            return end;
                         }
                         Command::Abandon(r) => {
                             self.stopping = true;

@@ -312,7 +312,7 @@ async fn failed_drain_leaves_the_lease_to_expire() {
     let (h, mut ev, _) = start(&m, "a");
     let t = elected(&mut ev).await;
     let r = h.step_down_with(async { Err::<(), _>("sink unreachable") }, Duration::from_secs(5)).await;
-    assert_eq!(r, Err(StepDownError::DrainFailed("sink unreachable".into())));
+    assert!(matches!(&r, Err(StepDownError::DrainFailed(m)) if m == "sink unreachable"), "{r:?}");
     assert!(!t.is_active(), "intake stops");
     assert_eq!(m.holder().as_deref(), Some("a:1"), "not released: left to expire");
     sleep(Duration::from_secs(11)).await;
@@ -334,7 +334,7 @@ async fn drain_over_budget_leaves_the_lease_to_expire() {
             Duration::from_secs(3),
         )
         .await;
-    assert_eq!(r, Err(StepDownError::DrainTimeout(Duration::from_secs(3))));
+    assert!(matches!(r, Err(StepDownError::DrainTimeout(d)) if d == Duration::from_secs(3)), "{r:?}");
     assert!(m.holder().is_some());
 }
 

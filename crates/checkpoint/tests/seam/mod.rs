@@ -7,25 +7,58 @@ use checkpoint::{CommitOutcome, CursorStore, Fence, ReadOutcome, StoreError, Wri
 /// no cursor yet.
 pub async fn write_contract(s: &dyn CursorStore, current: Fence<'_>, stale: Fence<'_>) {
     let fp = "seam";
-    assert_eq!(s.write(Write::advance(fp, 10, Some(1_000)), current).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(fp).await, Ok(ReadOutcome::Found(10)));
-    assert_eq!(s.read_time(fp).await, Ok(Some(1_000)), "{}: an advance keeps the relay time", s.name());
-    assert_eq!(s.active_relay().await, Ok(Some(fp.to_owned())), "{}: and records the relay", s.name());
     assert_eq!(
-        s.write(Write::advance(fp, 9, Some(2_000)), current).await,
+        s.write(Write::advance(fp, 10, Some(1_000)), current).await.map_err(|e| e.to_string()),
+        Ok(CommitOutcome::Saved)
+    );
+    assert_eq!(s.read(fp).await.map_err(|e| e.to_string()), Ok(ReadOutcome::Found(10)));
+    assert_eq!(
+        s.read_time(fp).await.map_err(|e| e.to_string()),
+        Ok(Some(1_000)),
+        "{}: an advance keeps the relay time",
+        s.name()
+    );
+    assert_eq!(
+        s.active_relay().await.map_err(|e| e.to_string()),
+        Ok(Some(fp.to_owned())),
+        "{}: and records the relay",
+        s.name()
+    );
+    assert_eq!(
+        s.write(Write::advance(fp, 9, Some(2_000)), current).await.map_err(|e| e.to_string()),
         Ok(CommitOutcome::NotNewer { stored: 10 }),
         "{}: an advance never lowers the cursor",
         s.name()
     );
-    assert_eq!(s.read_time(fp).await, Ok(Some(1_000)), "{}: a refused advance keeps the old time", s.name());
+    assert_eq!(
+        s.read_time(fp).await.map_err(|e| e.to_string()),
+        Ok(Some(1_000)),
+        "{}: a refused advance keeps the old time",
+        s.name()
+    );
     for w in [Write::advance(fp, 20, None), Write::rewind(fp, 3)] {
         let out = s.write(w, stale).await;
         assert!(matches!(out, Ok(CommitOutcome::Fenced { .. })), "{}: {w:?} by a stale term: {out:?}", s.name());
     }
-    assert_eq!(s.read(fp).await, Ok(ReadOutcome::Found(10)), "{}: fenced writes move nothing", s.name());
-    assert_eq!(s.write(Write::rewind(fp, 3), current).await, Ok(CommitOutcome::Saved));
-    assert_eq!(s.read(fp).await, Ok(ReadOutcome::Found(3)), "{}: a rewind lowers the cursor", s.name());
-    assert_eq!(s.read_time(fp).await, Ok(None), "{}: a rewind has no time of its own", s.name());
+    assert_eq!(
+        s.read(fp).await.map_err(|e| e.to_string()),
+        Ok(ReadOutcome::Found(10)),
+        "{}: fenced writes move nothing",
+        s.name()
+    );
+    assert_eq!(s.write(Write::rewind(fp, 3), current).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
+    assert_eq!(
+        s.read(fp).await.map_err(|e| e.to_string()),
+        Ok(ReadOutcome::Found(3)),
+        "{}: a rewind lowers the cursor",
+        s.name()
+    );
+    assert_eq!(
+        s.read_time(fp).await.map_err(|e| e.to_string()),
+        Ok(None),
+        "{}: a rewind has no time of its own",
+        s.name()
+    );
 }
 
 /// The repo-state contract: the current term sets, overwrites and clears repo states; a
@@ -43,7 +76,7 @@ pub async fn repo_contract(s: &dyn CursorStore, current: Fence<'_>, stale: Fence
         (set("did:plc:aaa", r#"{"reason":"signature","n":2}"#), current),
         (set(web, r#"{"reason":"unresolved"}"#), current),
     ] {
-        assert_eq!(s.write_repo(w, f).await, Ok(CommitOutcome::Saved), "{name}: {w:?}");
+        assert_eq!(s.write_repo(w, f).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved), "{name}: {w:?}");
     }
     let mut want = vec![
         ("did:plc:aaa".to_owned(), r#"{"reason":"signature","n":2}"#.to_owned()),
@@ -61,7 +94,7 @@ pub async fn repo_contract(s: &dyn CursorStore, current: Fence<'_>, stale: Fence
     }
     assert_eq!(sorted(s.repos().await.expect("repos")), want, "{name}: fenced writes change nothing");
     let clear = RepoWrite { did: "did:plc:aaa", value: None };
-    assert_eq!(s.write_repo(clear, current).await, Ok(CommitOutcome::Saved));
+    assert_eq!(s.write_repo(clear, current).await.map_err(|e| e.to_string()), Ok(CommitOutcome::Saved));
     want.remove(0);
     assert_eq!(sorted(s.repos().await.expect("repos")), want, "{name}: a cleared repo is gone");
 }
