@@ -352,6 +352,13 @@ struct InFlight {
     pending: Pending,
 }
 
+/// A lane's writes submitted and not yet durable, and how many events they hold.
+#[derive(Default)]
+struct Writes {
+    inflight: VecDeque<InFlight>,
+    held: usize,
+}
+
 /// The next chunk: at once (empty) while events are carried over, else from the queue.
 async fn recv_after(carry: &mut VecDeque<Event>, rx: &mut mpsc::Receiver<Vec<Event>>) -> Option<Vec<Event>> {
     if carry.is_empty() { rx.recv().await } else { Some(Vec::new()) }
@@ -371,19 +378,18 @@ impl Lane {
     /// durable, and each batch is reported done once its write is.
     async fn run(self, mut rx: mpsc::Receiver<Vec<Event>>, done: mpsc::UnboundedSender<Done>) {
         let ahead = self.handler.write_ahead();
-        let mut inflight: VecDeque<InFlight> = VecDeque::new();
-        let mut held = 0usize;
+        let mut w = Writes::default();
         // Events received beyond the last batch's size, first in the next.
         let mut carry: VecDeque<Event> = VecDeque::new();
         // Where events are rendered before each is copied out at its own size.
         let mut scratch = String::new();
         loop {
-            let room = inflight.is_empty() || held < ahead;
+            let room = w.inflight.is_empty() || w.held < ahead;
             tokio::select! {
                 biased;
-                r = oldest(&mut inflight) => {
-                    let f = inflight.pop_front().expect("a write in flight");
-                    held -= f.batch.len();
+                r = oldest(&mut w.inflight) => {
+                    let f = w.inflight.pop_front().expect("a write in flight");
+                    w.held -= f.batch.len();
                     if !self.finish(f, r, &done).await {
                         return;
                     }
@@ -391,68 +397,15 @@ impl Lane {
                 chunk = recv_after(&mut carry, &mut rx), if room => {
                     let Some(chunk) = chunk else { break };
                     carry.extend(chunk);
-                    while carry.len() < self.batch_max {
-                        match rx.try_recv() {
-                            Ok(chunk) => carry.extend(chunk),
-                            Err(_) => break,
-                        }
-                    }
-                    let n = carry.len().min(self.batch_max);
-                    let mut batch: Vec<Event> = carry.drain(..n).collect();
+                    let mut batch = self.next_batch(&mut carry, &mut rx);
                     let mut seqs: Vec<u64> = Vec::new();
-                    let mut stop = None;
-                    if let Some(v) = &self.verifier {
-                        let Some(s) = self.verify(v, &mut batch).await else { return };
-                        stop = s;
-                        // What changed of the batch's repos' desync states is kept by the
-                        // store before the cursor can pass the events that changed it.
-                        if let Err(e) = self.persist(v, &batch).await {
-                            let _ = done.send(Err(LaneStop::Handler(e)));
-                            return;
-                        }
-                        // Hidden events were sent only to be verified: done without the handler.
-                        batch.retain(|e| {
-                            if e.hidden {
-                                seqs.push(e.seq());
-                            }
-                            !e.hidden
-                        });
-                    }
-                    if let Some(r) = &self.render {
-                        render_batch(&mut batch, r, &mut scratch);
-                    }
-                    if batch.is_empty() {
-                        let _ = done.send(Ok(seqs));
-                    } else {
-                        match self.submit(&batch).await {
-                            Ok(pending) => {
-                                held += batch.len();
-                                inflight.push_back(InFlight { batch, seqs, pending });
-                            }
-                            Err(HandlerError::Refused { .. }) => {
-                                // What was submitted before it is durable first: the
-                                // halves are then written alone, in order.
-                                held = 0;
-                                if !self.drain(&mut inflight, &done).await {
-                                    return;
-                                }
-                                let r = Box::pin(self.isolate(&mut batch, &mut scratch, &mut seqs)).await;
-                                // What was written before a stop counts.
-                                let _ = done.send(Ok(seqs));
-                                if let Err(e) = r {
-                                    let _ = done.send(Err(LaneStop::Handler(e)));
-                                    return;
-                                }
-                            }
-                            Err(e) => {
-                                let _ = done.send(Err(LaneStop::Handler(e)));
-                                return;
-                            }
-                        }
+                    let Some(stop) = self.prepare(&mut batch, &mut seqs, &mut scratch, &done).await else { return };
+                    if !self.submit_batch(batch, seqs, &mut w, &mut scratch, &done).await {
+                        return;
                     }
                     if let Some(s) = stop {
                         // Everything before the invalid event is handed over first.
-                        if !self.drain(&mut inflight, &done).await {
+                        if !self.drain(&mut w.inflight, &done).await {
                             return;
                         }
                         let _ = done.send(Err(LaneStop::Invalid(Box::new(s))));
@@ -462,7 +415,98 @@ impl Lane {
             }
         }
         // The queue closed: finish what is in flight.
-        self.drain(&mut inflight, &done).await;
+        self.drain(&mut w.inflight, &done).await;
+    }
+
+    /// The next batch: what is carried over, topped up from the queue without waiting,
+    /// cut at the handler's batch size (the rest stays carried).
+    fn next_batch(&self, carry: &mut VecDeque<Event>, rx: &mut mpsc::Receiver<Vec<Event>>) -> Vec<Event> {
+        while carry.len() < self.batch_max {
+            match rx.try_recv() {
+                Ok(chunk) => carry.extend(chunk),
+                Err(_) => break,
+            }
+        }
+        let n = carry.len().min(self.batch_max);
+        carry.drain(..n).collect()
+    }
+
+    /// Readies a batch for the handler: verified (the first invalid event under the
+    /// `fail` policy is returned, the batch cut before it), the desync changes of its
+    /// repos kept by the store, hidden events taken out (done without the handler: into
+    /// `seqs`), rendered. `None` when the lane must end (the term ended during
+    /// verification, or the store refused the desync changes: reported on `done`).
+    async fn prepare(
+        &self,
+        batch: &mut Vec<Event>,
+        seqs: &mut Vec<u64>,
+        scratch: &mut String,
+        done: &mpsc::UnboundedSender<Done>,
+    ) -> Option<Option<(u64, Invalid)>> {
+        let mut stop = None;
+        if let Some(v) = &self.verifier {
+            stop = self.verify(v, batch).await?;
+            // What changed of the batch's repos' desync states is kept by the store
+            // before the cursor can pass the events that changed it.
+            if let Err(e) = self.persist(v, batch).await {
+                let _ = done.send(Err(LaneStop::Handler(e)));
+                return None;
+            }
+            batch.retain(|e| {
+                if e.hidden {
+                    seqs.push(e.seq());
+                }
+                !e.hidden
+            });
+        }
+        if let Some(r) = &self.render {
+            render_batch(batch, r, scratch);
+        }
+        Some(stop)
+    }
+
+    /// Submits a prepared batch (an empty one is done at once); a batch the downstream
+    /// refuses for its content is isolated once what is in flight before it is durable.
+    /// `false` when the lane must end (reported on `done`).
+    async fn submit_batch(
+        &self,
+        mut batch: Vec<Event>,
+        mut seqs: Vec<u64>,
+        w: &mut Writes,
+        scratch: &mut String,
+        done: &mpsc::UnboundedSender<Done>,
+    ) -> bool {
+        if batch.is_empty() {
+            let _ = done.send(Ok(seqs));
+            return true;
+        }
+        match self.submit(&batch).await {
+            Ok(pending) => {
+                w.held += batch.len();
+                w.inflight.push_back(InFlight { batch, seqs, pending });
+                true
+            }
+            Err(HandlerError::Refused { .. }) => {
+                // What was submitted before it is durable first: the halves are then
+                // written alone, in order.
+                w.held = 0;
+                if !self.drain(&mut w.inflight, done).await {
+                    return false;
+                }
+                let r = Box::pin(self.isolate(&mut batch, scratch, &mut seqs)).await;
+                // What was written before a stop counts.
+                let _ = done.send(Ok(seqs));
+                if let Err(e) = r {
+                    let _ = done.send(Err(LaneStop::Handler(e)));
+                    return false;
+                }
+                true
+            }
+            Err(e) => {
+                let _ = done.send(Err(LaneStop::Handler(e)));
+                false
+            }
+        }
     }
 
     /// Finishes every write in flight, oldest first; `false` when the lane must stop.
