@@ -364,8 +364,8 @@ async fn a_relay_that_renumbered(sink: Sink) {
     assert_holds(sink, &down.stored().await, &want);
 }
 
-/// The downstream restarts while the relay serves 300 events a second.
-async fn the_downstream_restarted(sink: Sink) {
+/// The fixture, and a relay serving it at 300 events a second from its first event.
+async fn paced_relay() -> (Vec<Bytes>, RelaySim) {
     let frames = testkit::fixture_frames();
     let relay = RelaySim::start_with(
         frames.clone(),
@@ -374,6 +374,12 @@ async fn the_downstream_restarted(sink: Sink) {
     )
     .await
     .expect("sim");
+    (frames, relay)
+}
+
+/// The downstream restarts while the relay serves 300 events a second.
+async fn the_downstream_restarted(sink: Sink) {
+    let (frames, relay) = paced_relay().await;
     let dir = tmpdir(&format!("contract-restart-{sink:?}"));
     let mut down = Downstream::start(sink, &dir).await;
     let run = Run::start(&relay, &down, &[]);
@@ -391,14 +397,7 @@ async fn the_downstream_restarted(sink: Sink) {
 /// event is stored as itself (a webhook answering 401 had every event of those seconds
 /// handed over as `#invalid` and, refused again, dropped).
 async fn the_downstream_refused_every_write_for_a_while(sink: Sink, code: u16) {
-    let frames = testkit::fixture_frames();
-    let relay = RelaySim::start_with(
-        frames.clone(),
-        SimConfig { initial_head: Some(0), rate: Some(300), ..SimConfig::default() },
-        "127.0.0.1:0".parse().expect("addr"),
-    )
-    .await
-    .expect("sim");
+    let (frames, relay) = paced_relay().await;
     let dir = tmpdir(&format!("contract-refusing-{sink:?}-{code}"));
     let down = Downstream::start(sink, &dir).await;
     let admin = down.pg.as_ref().map(|pg| {
@@ -444,14 +443,7 @@ async fn pg_exec(url: &str, sql: &str) {
 /// webhook's receiver answering only after 1.5 s (its timeout set to 1 s) for 4 s. Every
 /// event is stored, once where the sink promises it.
 async fn the_downstream_was_gone_longer_than_a_write_timeout(sink: Sink) {
-    let frames = testkit::fixture_frames();
-    let relay = RelaySim::start_with(
-        frames.clone(),
-        SimConfig { initial_head: Some(0), rate: Some(300), ..SimConfig::default() },
-        "127.0.0.1:0".parse().expect("addr"),
-    )
-    .await
-    .expect("sim");
+    let (frames, relay) = paced_relay().await;
     let dir = tmpdir(&format!("contract-gone-{sink:?}"));
     let mut down = Downstream::start(sink, &dir).await;
     let run = Run::start(&relay, &down, &[("FIREKEEPER_WEBHOOK_TIMEOUT_MS", "1000")]);
