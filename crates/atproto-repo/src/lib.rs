@@ -12,6 +12,7 @@
 //! the same bytes with the `sig` entry cut out and the map's length one less.
 
 pub mod mst;
+pub mod repo;
 pub mod verify;
 
 use atproto_crypto::{PublicKey, SignatureError};

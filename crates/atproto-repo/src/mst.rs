@@ -97,6 +97,19 @@ impl Partial {
         Ok(Self { items, root: root.as_bytes().to_vec(), changed: false })
     }
 
+    /// Every leaf (key, record CID) in tree order, when the CAR held the whole tree;
+    /// `None` when a subtree is missing (a `getRepo?since=` diff, a truncated CAR).
+    #[must_use]
+    pub fn leaves(&self) -> Option<Vec<(&[u8], &[u8])>> {
+        self.items
+            .iter()
+            .map(|i| match i {
+                Item::Leaf { key, value, .. } => Some((key.as_slice(), value.as_slice())),
+                Item::Stub { .. } => None,
+            })
+            .collect()
+    }
+
     /// Undoes one forward op: a create is removed, an update restored, a delete
     /// re-inserted. The op's `after` must be what the tree holds.
     ///
