@@ -22,6 +22,7 @@ pub mod error;
 pub mod frame;
 pub mod hash;
 pub mod json;
+pub mod tid;
 pub mod time;
 
 pub use error::{CborError, CidError, DecodeError};

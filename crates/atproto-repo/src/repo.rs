@@ -37,7 +37,14 @@ pub enum RepoError {
     /// A record the tree names is not in the CAR.
     #[error("the record {0} is not in the CAR")]
     MissingRecord(String),
+    /// The commit's rev is not a TID, or names a time more than [`REV_SKEW_US`] ahead
+    /// of the verifier's clock (a forged rev would make every later commit look old).
+    #[error("the commit's rev {0:?} is not a TID or lies in the future")]
+    Rev(String),
 }
+
+/// How far a rev's time may lie ahead of the verifier's clock (PDS clocks drift): 5 min.
+pub const REV_SKEW_US: i64 = 300_000_000;
 
 /// One record of a verified repo.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,18 +71,29 @@ pub struct Snapshot<'a> {
 ///
 /// # Errors
 /// The first check the repo fails, as a [`RepoError`].
-pub fn verify_repo_bytes<'a>(bytes: &'a [u8], did: &str, key: &PublicKey) -> Result<Snapshot<'a>, RepoError> {
+pub fn verify_repo_bytes<'a>(
+    bytes: &'a [u8],
+    did: &str,
+    key: &PublicKey,
+    now_us: i64,
+) -> Result<Snapshot<'a>, RepoError> {
     let car = Car::parse(bytes, true).map_err(RepoError::Car)?;
-    verify_repo(&car, did, key)
+    verify_repo(&car, did, key, now_us)
 }
 
 /// Verifies `car` (the body of `getRepo`, its blocks checked against their CIDs by
-/// `Car::parse(.., true)`) as the whole repo of `did` signed with `key`.
+/// `Car::parse(.., true)`) as the whole repo of `did` signed with `key`; `now_us` is the
+/// verifier's clock (microseconds since the epoch), which the commit's rev may not pass
+/// by more than [`REV_SKEW_US`].
 ///
 /// # Errors
 /// The first check the repo fails, as a [`RepoError`].
-pub fn verify_repo<'a>(car: &Car<'a>, did: &str, key: &PublicKey) -> Result<Snapshot<'a>, RepoError> {
+pub fn verify_repo<'a>(car: &Car<'a>, did: &str, key: &PublicKey, now_us: i64) -> Result<Snapshot<'a>, RepoError> {
     let commit = check_commit_in(car, None, did, key).map_err(RepoError::Commit)?;
+    let rev_time = atproto_data::tid::parse(commit.rev).map(atproto_data::tid::time_us);
+    if rev_time.is_none_or(|t| t > now_us.saturating_add(REV_SKEW_US)) {
+        return Err(RepoError::Rev(commit.rev.to_owned()));
+    }
     let tree = Partial::load(car, commit.data).map_err(RepoError::Tree)?;
     let leaves = tree.leaves().ok_or(RepoError::Incomplete)?;
     let mut records = Vec::with_capacity(leaves.len());

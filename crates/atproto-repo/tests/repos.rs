@@ -73,7 +73,7 @@ fn every_reference_repo_verifies_and_holds_exactly_the_reference_records() {
         let did = r["did"].as_str().expect("did");
         let (count, digest, signing) = &reference[did];
         let car = car_of(did);
-        let snap = verify_repo_bytes(&car, did, &key_of(signing)).unwrap_or_else(|e| panic!("{did}: {e}"));
+        let snap = verify_repo_bytes(&car, did, &key_of(signing), NOW).unwrap_or_else(|e| panic!("{did}: {e}"));
         assert_eq!(snap.commit.rev, r["rev"].as_str().expect("rev"), "{did}");
         assert_eq!(snap.commit.cid.to_string_b32(), r["commit"].as_str().expect("commit"), "{did}");
         assert_eq!(snap.commit.data.to_string_b32(), r["data"].as_str().expect("data"), "{did}");
@@ -97,6 +97,9 @@ fn hex(b: &[u8]) -> String {
 
 const SMALL: &str = "did:plc:zs4kp6ujxn2l7wrtp3nxeiob";
 
+/// The verifier's clock: the day the fixtures were recorded (2026-12-06), at noon.
+const NOW: i64 = 20_793 * 86_400_000_000 + 43_200_000_000;
+
 fn small() -> (Vec<u8>, PublicKey) {
     let reference = reference();
     (car_of(SMALL), key_of(&reference[SMALL].2))
@@ -105,22 +108,22 @@ fn small() -> (Vec<u8>, PublicKey) {
 #[test]
 fn a_record_block_changed_in_transit_is_refused() {
     let (car, key) = small();
-    let snap = verify_repo_bytes(&car, SMALL, &key).expect("verifies");
+    let snap = verify_repo_bytes(&car, SMALL, &key, NOW).expect("verifies");
     let block = snap.records[3].block;
     let at = car.windows(block.len()).position(|w| w == block).expect("block in car") + block.len() - 1;
     let mut bad = car.clone();
     bad[at] ^= 1;
-    assert!(matches!(verify_repo_bytes(&bad, SMALL, &key), Err(RepoError::Car(_))));
+    assert!(matches!(verify_repo_bytes(&bad, SMALL, &key, NOW), Err(RepoError::Car(_))));
 }
 
 #[test]
 fn a_missing_record_block_is_named() {
     let (car, key) = small();
-    let snap = verify_repo_bytes(&car, SMALL, &key).expect("verifies");
+    let snap = verify_repo_bytes(&car, SMALL, &key, NOW).expect("verifies");
     let gone = snap.records[5].cid.clone();
     let name = snap.records[5].key.clone();
     let bad = rebuilt(&car, |cid, _| cid != gone.as_slice());
-    match verify_repo_bytes(&bad, SMALL, &key) {
+    match verify_repo_bytes(&bad, SMALL, &key, NOW) {
         Err(RepoError::MissingRecord(k)) => assert_eq!(k, name),
         other => panic!("{other:?}"),
     }
@@ -130,7 +133,7 @@ fn a_missing_record_block_is_named() {
 fn a_missing_tree_node_or_a_since_diff_is_not_a_whole_repo() {
     let (car, key) = small();
     let parsed = Car::parse(&car, false).expect("car");
-    let snap = verify_repo_bytes(&car, SMALL, &key).expect("verifies");
+    let snap = verify_repo_bytes(&car, SMALL, &key, NOW).expect("verifies");
     let records: Vec<Vec<u8>> = snap.records.iter().map(|r| r.cid.clone()).collect();
     let commit = snap.commit.cid.as_bytes().to_vec();
     let root = snap.commit.data.as_bytes().to_vec();
@@ -141,14 +144,14 @@ fn a_missing_tree_node_or_a_since_diff_is_not_a_whole_repo() {
         .find(|c| *c != commit && *c != root && !records.contains(c))
         .expect("an inner tree node");
     let bad = rebuilt(&car, |cid, _| cid != node.as_slice());
-    assert!(matches!(verify_repo_bytes(&bad, SMALL, &key), Err(RepoError::Incomplete)));
+    assert!(matches!(verify_repo_bytes(&bad, SMALL, &key, NOW), Err(RepoError::Incomplete)));
     // getRepo?since= of rsmall1: only what changed after the rev.
     let did = "did:plc:4fqcvmfbjmzuc7dzjjm6ss6q";
     let since =
         std::fs::read(repos_dir().join("cars").join(format!("{}.since-3n3ykm47pn72h.car", did.replace(':', "_"))))
             .expect("since car");
     let signing = reference()[did].2.clone();
-    assert!(matches!(verify_repo_bytes(&since, did, &key_of(&signing)), Err(RepoError::Incomplete)));
+    assert!(matches!(verify_repo_bytes(&since, did, &key_of(&signing), NOW), Err(RepoError::Incomplete)));
 }
 
 #[test]
@@ -157,9 +160,9 @@ fn another_repos_key_or_did_is_refused() {
     let reference = reference();
     let other = reference.keys().find(|d| *d != SMALL).expect("another");
     let wrong_key = key_of(&reference[other].2);
-    assert!(matches!(verify_repo_bytes(&car, SMALL, &wrong_key), Err(RepoError::Commit(_))));
+    assert!(matches!(verify_repo_bytes(&car, SMALL, &wrong_key, NOW), Err(RepoError::Commit(_))));
     let right_key = key_of(&reference[SMALL].2);
-    assert!(matches!(verify_repo_bytes(&car, other, &right_key), Err(RepoError::Commit(_))));
+    assert!(matches!(verify_repo_bytes(&car, other, &right_key, NOW), Err(RepoError::Commit(_))));
 }
 
 /// The small repo under a tree of another shape with the same records: an empty node
@@ -170,7 +173,7 @@ fn another_repos_key_or_did_is_refused() {
 fn a_tree_of_another_shape_with_the_same_records_is_not_canonical() {
     use k256::ecdsa::signature::hazmat::PrehashSigner as _;
     let (car, key) = small();
-    let snap = verify_repo_bytes(&car, SMALL, &key).expect("verifies");
+    let snap = verify_repo_bytes(&car, SMALL, &key, NOW).expect("verifies");
     let data = snap.commit.data.as_bytes().to_vec();
     let commit_cid = snap.commit.cid.as_bytes().to_vec();
     let parsed = Car::parse(&car, false).expect("car");
@@ -201,9 +204,9 @@ fn a_tree_of_another_shape_with_the_same_records_is_not_canonical() {
     let verifying = signer.verifying_key().to_encoded_point(true);
     let test_key = PublicKey::from_sec1(atproto_crypto::Curve::K256, verifying.as_bytes()).expect("key");
     assert!(
-        matches!(verify_repo_bytes(&bad, SMALL, &test_key), Err(RepoError::NotCanonical)),
+        matches!(verify_repo_bytes(&bad, SMALL, &test_key, NOW), Err(RepoError::NotCanonical)),
         "{:?}",
-        verify_repo_bytes(&bad, SMALL, &test_key).err()
+        verify_repo_bytes(&bad, SMALL, &test_key, NOW).err()
     );
 }
 
@@ -232,4 +235,14 @@ fn varint(out: &mut Vec<u8>, mut n: u64) {
         }
         out.push(b | 0x80);
     }
+}
+
+/// A verifier whose clock is more than the allowance behind the repo's rev refuses it
+/// (a rev in the future would make every later commit of the repo look old).
+#[test]
+fn a_rev_in_the_future_is_refused() {
+    let (car, key) = small();
+    let day_before = NOW - 86_400_000_000;
+    assert!(matches!(verify_repo_bytes(&car, SMALL, &key, day_before), Err(RepoError::Rev(_))));
+    assert!(verify_repo_bytes(&car, SMALL, &key, NOW).is_ok());
 }

@@ -70,35 +70,7 @@ pub(crate) fn report(b: &ChainBreak, seq: u64, relay: &str) {
     );
 }
 
-/// The base32-sortable alphabet of TIDs.
-const TID_ALPHABET: &[u8; 32] = b"234567abcdefghijklmnopqrstuvwxyz";
-
-/// A TID's 64-bit value (its order is the string's order); `None` for anything else.
-pub(crate) fn tid(s: &str) -> Option<u64> {
-    let b = s.as_bytes();
-    if b.len() != 13 {
-        return None;
-    }
-    let mut v: u64 = 0;
-    for (i, &c) in b.iter().enumerate() {
-        let d = match c {
-            b'2'..=b'7' => c - b'2',
-            b'a'..=b'z' => c - b'a' + 6,
-            _ => return None,
-        };
-        // The first character carries the top bit, which a TID keeps at zero.
-        if i == 0 && d >= 16 {
-            return None;
-        }
-        v = (v << 5) | u64::from(d);
-    }
-    Some(v)
-}
-
-/// The TID string of a value [`tid`] produced.
-pub(crate) fn tid_string(v: u64) -> String {
-    (0..13).rev().map(|i| char::from(TID_ALPHABET[((v >> (5 * i)) & 31) as usize])).collect()
-}
+pub(crate) use atproto_data::tid::{parse as tid, to_string as tid_string};
 
 /// Keys are already hashes: the table uses them as they are.
 #[derive(Default)]
