@@ -6,6 +6,9 @@
 //! This crate holds the fetch ([`fetch`]): bounded in time, size and transfer speed,
 //! spilled to disk past a memory bound, with the host's rate-limit answers and the
 //! repo's status (gone, taken down, …) as typed outcomes. Addresses come from DID
-//! documents and redirects, so requests go through `guarded-http`.
+//! documents and redirects, so requests go through `guarded-http`. [`check`] puts the
+//! steps together for one repo: its DID resolved to its PDS and key, the repo fetched
+//! from there and verified whole.
 
+pub mod check;
 pub mod fetch;

@@ -1,0 +1,97 @@
+//! One repo from its DID to a verified snapshot: the DID document names the PDS
+//! (`#atproto_pds`) and the key, `getRepo` is fetched from the PDS within the fetch's
+//! bounds, and the body is verified whole (`atproto_repo::repo`); a signature that fails
+//! against the cached key is checked once more against a freshly resolved one (the
+//! account may have rotated it).
+
+use std::collections::BTreeMap;
+
+use atproto_identity::resolver::{ResolveError, Resolver};
+use atproto_repo::repo::{RepoError, verify_repo_bytes};
+
+use crate::fetch::{FetchError, Limits, fetch, get_repo_url};
+
+/// What a verified repo holds, in brief.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked {
+    /// The PDS it was fetched from.
+    pub pds: String,
+    /// The commit's rev.
+    pub rev: String,
+    /// The commit's CID.
+    pub commit: String,
+    /// The tree's root CID.
+    pub data: String,
+    /// Records per collection.
+    pub collections: BTreeMap<String, u64>,
+    /// The CAR's size.
+    pub bytes: u64,
+}
+
+impl Checked {
+    /// Every record.
+    #[must_use]
+    pub fn records(&self) -> u64 {
+        self.collections.values().sum()
+    }
+}
+
+/// Why a repo could not be checked.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// The DID did not resolve.
+    #[error("resolving the DID: {0}")]
+    Resolve(#[source] ResolveError),
+    /// The DID document names no PDS.
+    #[error("the DID document names no #atproto_pds service")]
+    NoPds,
+    /// The fetch gave no repo.
+    #[error("fetching the repo: {0}")]
+    Fetch(#[source] FetchError),
+    /// The spilled body could not be read back.
+    #[error("reading the fetched repo: {0}")]
+    Read(#[source] std::io::Error),
+    /// The repo is not a verified whole repo of the DID.
+    #[error("verifying the repo: {0}")]
+    Verify(#[source] RepoError),
+}
+
+/// Resolves `did`, fetches its repo from its PDS and verifies it whole; `now_us` is the
+/// clock a rev may not lie ahead of.
+///
+/// # Errors
+/// The [`CheckError`] of the first step that failed.
+pub async fn check_repo(
+    resolver: &Resolver,
+    client: &guarded_http::Client,
+    did: &str,
+    limits: &Limits,
+    now_us: i64,
+) -> Result<Checked, CheckError> {
+    let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
+    let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
+    let url = get_repo_url(&pds, did).map_err(CheckError::Fetch)?;
+    let fetched = fetch(client, &url, limits).await.map_err(CheckError::Fetch)?;
+    let bytes = fetched.body.bytes().map_err(CheckError::Read)?;
+    let snap = match verify_repo_bytes(&bytes, did, &id.signing_key, now_us) {
+        Err(RepoError::Commit(atproto_repo::CommitError::Signature(_))) => {
+            let fresh = resolver.refresh(did).await.map_err(CheckError::Resolve)?;
+            verify_repo_bytes(&bytes, did, &fresh.signing_key, now_us)
+        }
+        other => other,
+    }
+    .map_err(CheckError::Verify)?;
+    let mut collections = BTreeMap::new();
+    for r in &snap.records {
+        let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
+        *collections.entry(collection.to_owned()).or_insert(0) += 1;
+    }
+    Ok(Checked {
+        pds,
+        rev: snap.commit.rev.to_owned(),
+        commit: snap.commit.cid.to_string_b32(),
+        data: snap.commit.data.to_string_b32(),
+        collections,
+        bytes: fetched.body.len(),
+    })
+}
