@@ -84,6 +84,12 @@ pub enum CursorAction {
 /// `repos` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum ReposAction {
+    /// Fetch a repo from its PDS (its DID resolved through `FIREKEEPER_PLC_URL`) and
+    /// verify it whole: signature, every block, the tree, every record. Read-only.
+    Check {
+        /// The repo's DID.
+        did: String,
+    },
     /// The repos an invalid event marked desynchronised (`FIREKEEPER_VERIFY`), as the
     /// leader knows them: one line each, oldest first.
     Invalid {

@@ -168,6 +168,29 @@ pub async fn repos_invalid(cfg: &Config, addr: Option<std::net::SocketAddr>) -> 
     Ok(())
 }
 
+/// Fetches `did`'s repo from its PDS and verifies it whole; prints what it holds.
+pub async fn repo_check(cfg: &Config, did: &str) -> Result<()> {
+    let resolver_cfg = cfg.options.verify.resolver.clone();
+    let guard = guarded_http::Guard { allow_private: resolver_cfg.allow_private, max_redirects: 3 };
+    let resolver = atproto_identity::resolver::Resolver::new(resolver_cfg).context("the DID resolver")?;
+    let client = guarded_http::Client::new(guard, reqwest::Client::builder().user_agent("firekeeper"))
+        .context("the HTTP client")?;
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
+    let limits = repo_sync::fetch::Limits { spill_dir: cfg.data_dir.clone(), ..repo_sync::fetch::Limits::default() };
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+    let c = repo_sync::check::check_repo(&resolver, &client, did, &limits, now_us)
+        .await
+        .with_context(|| format!("{did}: not a verified repo"))?;
+    let host = url::Url::parse(&c.pds).ok().and_then(|u| u.host_str().map(str::to_owned)).unwrap_or_default();
+    say!("{did} verified: rev {}, commit {}, {} records, {} bytes from {host}", c.rev, c.commit, c.records(), c.bytes)?;
+    for (collection, n) in &c.collections {
+        say!("  {collection} {n}")?;
+    }
+    Ok(())
+}
+
 /// Records frames from the primary relay into a file `relay-sim` can replay.
 pub async fn capture(
     cfg: &Config,

@@ -130,6 +130,7 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
         }
         Command::Lease { action: LeaseAction::Show } => commands::lease_show(&cfg).await,
         Command::Repos { action: ReposAction::Invalid { addr } } => commands::repos_invalid(&cfg, addr).await,
+        Command::Repos { action: ReposAction::Check { did } } => commands::repo_check(&cfg, &did).await,
         Command::Capture { file, cursor, limit, seconds } => {
             commands::capture(&cfg, &file, cursor, limit, seconds).await
         }

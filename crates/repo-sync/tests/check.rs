@@ -4,12 +4,10 @@
 //! PDS answering another repo's CAR; a document naming no PDS.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use atproto_identity::resolver::{Resolver, ResolverConfig};
 use repo_sync::check::{CheckError, check_repo};
 use repo_sync::fetch::Limits;
-use tokio::io::AsyncWriteExt;
 
 const SMALL: &str = "did:plc:zs4kp6ujxn2l7wrtp3nxeiob";
 const LARGE: &str = "did:plc:d255tkvufzfkpckokc332in6";
@@ -17,49 +15,15 @@ const LARGE: &str = "did:plc:d255tkvufzfkpckokc332in6";
 const NOW: i64 = 20_793 * 86_400_000_000 + 43_200_000_000;
 
 fn repos() -> std::path::PathBuf {
-    testkit::fixture("repos")
+    testkit::pds::repos_dir()
 }
 
-/// A PDS on loopback serving `getRepo` from the fixture CARs (`cars`: DID → the DID whose
-/// CAR to serve).
-async fn pds(cars: HashMap<String, String>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    let cars = Arc::new(cars);
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let cars = cars.clone();
-            tokio::spawn(async move {
-                let mut pending = Vec::new();
-                while let Some((line, _)) = testkit::http::read_request_with_line(&mut s, &mut pending).await {
-                    let did = line.split("did=").nth(1).and_then(|d| d.split([' ', '&']).next()).unwrap_or("");
-                    let did = did.replace("%3A", ":");
-                    let Some(serve) = cars.get(&did) else {
-                        let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
-                        continue;
-                    };
-                    let body = std::fs::read(repos().join("cars").join(format!("{}.car", serve.replace(':', "_"))))
-                        .expect("car");
-                    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
-                    if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    base
+async fn pds(serve: HashMap<String, String>) -> String {
+    testkit::pds::start(serve).await
 }
 
-/// The reference DID documents with their PDS at `base`.
 fn docs(base: &str) -> HashMap<String, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repos().join("did-docs.json")).expect("docs")).expect("json");
-    v.as_object()
-        .expect("object")
-        .iter()
-        .map(|(did, doc)| (did.clone(), doc.to_string().replace("http://localhost:2583", base)))
-        .collect()
+    testkit::pds::docs(base)
 }
 
 fn resolver(plc: &testkit::plc::Plc) -> Resolver {

@@ -15,6 +15,7 @@
 pub mod cluster;
 pub mod faults;
 pub mod http;
+pub mod pds;
 pub mod plc;
 pub mod proc;
 pub mod soak;

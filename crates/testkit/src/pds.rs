@@ -1,0 +1,71 @@
+//! A PDS on loopback for repo-sync tests: `com.atproto.sync.getRepo` answered from the
+//! reference CARs in `fixtures/repos/cars/`, and the reference DID documents with their
+//! PDS pointed at it (for [`crate::plc::Plc`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::io::AsyncWriteExt;
+
+/// The repo-sync fixtures folder.
+#[must_use]
+pub fn repos_dir() -> std::path::PathBuf {
+    crate::fixture("repos")
+}
+
+/// The reference CAR of `did` (as `getRepo` served it).
+///
+/// # Panics
+/// When the fixture is missing.
+#[must_use]
+pub fn car(did: &str) -> Vec<u8> {
+    std::fs::read(repos_dir().join("cars").join(format!("{}.car", did.replace(':', "_")))).expect("fixture CAR")
+}
+
+/// Starts a PDS answering `getRepo?did=D` with the CAR of `serve[D]` (a DID serves its
+/// own repo when mapped to itself; another's to test a PDS that answers wrongly) and 404
+/// for any other DID; returns its base URL.
+///
+/// # Panics
+/// When it cannot listen.
+pub async fn start<S: std::hash::BuildHasher + Send + Sync + 'static>(serve: HashMap<String, String, S>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let serve = Arc::new(serve);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let serve = serve.clone();
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
+                    let did = line.split("did=").nth(1).and_then(|d| d.split([' ', '&']).next()).unwrap_or("");
+                    let Some(repo) = serve.get(&did.replace("%3A", ":")) else {
+                        let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
+                        continue;
+                    };
+                    let body = car(repo);
+                    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                    if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    base
+}
+
+/// The reference DID documents (DID → JSON), their PDS at `base`.
+///
+/// # Panics
+/// When the fixture is missing.
+#[must_use]
+pub fn docs(base: &str) -> HashMap<String, String> {
+    let text = std::fs::read_to_string(repos_dir().join("did-docs.json")).expect("did-docs.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    v.as_object()
+        .expect("object")
+        .iter()
+        .map(|(did, doc)| (did.clone(), doc.to_string().replace("http://localhost:2583", base)))
+        .collect()
+}
