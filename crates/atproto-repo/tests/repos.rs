@@ -11,7 +11,7 @@ use atproto_repo::repo::{RepoError, verify_repo_bytes};
 use sha2::Digest as _;
 
 fn repos_dir() -> std::path::PathBuf {
-    testkit::fixture("repos")
+    testkit::pds::repos_dir()
 }
 
 /// DID → (record count, sha256 of "key cid\n" lines in key order, signing key), from the
@@ -31,36 +31,18 @@ fn reference() -> BTreeMap<String, (u64, String, String)> {
 }
 
 fn car_of(did: &str) -> Vec<u8> {
-    std::fs::read(repos_dir().join("cars").join(format!("{}.car", did.replace(':', "_")))).expect("car")
+    testkit::pds::car(did)
 }
 
 fn key_of(did_key: &str) -> PublicKey {
     PublicKey::from_did_key(did_key).expect("did:key")
 }
 
-/// A CAR with the same header and blocks, but `keep` decides which blocks stay.
+/// A CAR with the same root and blocks, but `keep` decides which blocks stay.
 fn rebuilt(car: &[u8], keep: impl Fn(&[u8], &[u8]) -> bool) -> Vec<u8> {
-    let parsed = Car::parse(car, false).expect("car");
-    let (hlen, n) = atproto_data::cid::uvarint(car).expect("header");
-    let mut out = car[..n + usize::try_from(hlen).expect("len")].to_vec();
-    for (cid, data) in parsed.blocks() {
-        if keep(cid.as_bytes(), data) {
-            let mut section = cid.as_bytes().to_vec();
-            section.extend_from_slice(data);
-            let mut len = section.len() as u64;
-            loop {
-                let b = (len & 0x7f) as u8;
-                len >>= 7;
-                if len == 0 {
-                    out.push(b);
-                    break;
-                }
-                out.push(b | 0x80);
-            }
-            out.extend_from_slice(&section);
-        }
-    }
-    out
+    let (root, blocks) = testkit::tamper::car_blocks(car);
+    let kept: Vec<(Vec<u8>, Vec<u8>)> = blocks.into_iter().filter(|(c, d)| keep(c, d)).collect();
+    testkit::tamper::car_build(&root, &kept)
 }
 
 #[test]
@@ -200,7 +182,7 @@ fn a_tree_of_another_shape_with_the_same_records_is_not_canonical() {
     commit[s..s + 64].copy_from_slice(&sig.to_bytes());
     let new_commit = atproto_data::car::cid_for(&commit);
     blocks[at] = (new_commit.clone(), commit);
-    let bad = build_car(&new_commit, &blocks);
+    let bad = testkit::tamper::car_build(&new_commit, &blocks);
     let verifying = signer.verifying_key().to_encoded_point(true);
     let test_key = PublicKey::from_sec1(atproto_crypto::Curve::K256, verifying.as_bytes()).expect("key");
     assert!(
@@ -208,33 +190,6 @@ fn a_tree_of_another_shape_with_the_same_records_is_not_canonical() {
         "{:?}",
         verify_repo_bytes(&bad, SMALL, &test_key, NOW).err()
     );
-}
-
-/// A CAR v1 with one root and the given blocks.
-fn build_car(root: &[u8], blocks: &[(Vec<u8>, Vec<u8>)]) -> Vec<u8> {
-    let mut h = atproto_data::cbor::Writer::new();
-    h.map(2).str("roots").array(1).link(root).str("version").int(1);
-    let mut out = Vec::new();
-    varint(&mut out, h.buf.len() as u64);
-    out.extend_from_slice(&h.buf);
-    for (k, d) in blocks {
-        varint(&mut out, (k.len() + d.len()) as u64);
-        out.extend_from_slice(k);
-        out.extend_from_slice(d);
-    }
-    out
-}
-
-fn varint(out: &mut Vec<u8>, mut n: u64) {
-    loop {
-        let b = (n & 0x7f) as u8;
-        n >>= 7;
-        if n == 0 {
-            out.push(b);
-            return;
-        }
-        out.push(b | 0x80);
-    }
 }
 
 /// A verifier whose clock is more than the allowance behind the repo's rev refuses it

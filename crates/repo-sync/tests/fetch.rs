@@ -12,7 +12,7 @@ use tokio::io::AsyncWriteExt;
 const SMALL: &str = "did:plc:zs4kp6ujxn2l7wrtp3nxeiob";
 
 fn car(did: &str) -> Vec<u8> {
-    std::fs::read(testkit::fixture("repos").join("cars").join(format!("{}.car", did.replace(':', "_")))).expect("car")
+    testkit::pds::car(did)
 }
 
 /// What the test host answers.
