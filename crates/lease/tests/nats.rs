@@ -202,3 +202,43 @@ async fn prefixes_that_would_share_buckets_are_refused() {
     let e = dot.acquire("b", Duration::from_secs(5), 0).await.expect_err("refused").to_string();
     assert!(e.contains("prod.eu") && e.contains("prefix"), "{e}");
 }
+
+/// A candidate that raised the fence, then another that raised it further, won, led
+/// and released, before the first created the key: the first must not start a term
+/// with its lower token after a higher one already led.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_candidate_overtaken_between_fence_and_key_backs_off() {
+    let server = testkit::NatsServer::start();
+    let n = server.connect(Duration::from_secs(2)).await;
+    let a = NatsBackend::new(&n, "race", Duration::from_secs(5));
+    let b = NatsBackend::new(&n, "race", Duration::from_secs(5));
+    let overtake = async {
+        let got = b.acquire("b", Duration::from_secs(5), 0).await.expect("b acquires");
+        assert_eq!(got, Acquire::Acquired { token: 2 });
+        assert!(b.release("b").await.expect("b releases"));
+    };
+    let out = a.acquire_with("a", Duration::from_secs(5), 0, overtake).await;
+    assert!(out.is_err(), "a backs off: {out:?}");
+    assert_eq!(a.snapshot().await.expect("snapshot").holder, None, "and its key is gone");
+    assert_eq!(a.acquire("a", Duration::from_secs(5), 0).await.expect("again"), Acquire::Acquired { token: 3 });
+}
+
+/// A candidate that loses the create race reports the winner with its key's expiry
+/// (it was `None`, and a standby then had no expiry to wait out when NATS lost the
+/// key: two leaders in issue 34's CI run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_candidate_that_loses_the_create_race_reports_the_winners_expiry() {
+    let server = testkit::NatsServer::start();
+    let n = server.connect(Duration::from_secs(2)).await;
+    let ttl = Duration::from_secs(5);
+    let a = NatsBackend::new(&n, "race2", ttl);
+    let b = NatsBackend::new(&n, "race2", ttl);
+    let win = async {
+        assert_eq!(a.acquire("a", ttl, 0).await.expect("a acquires"), Acquire::Acquired { token: 2 });
+    };
+    let Acquire::Held { holder, expires_in } = b.acquire_with("b", ttl, 0, win).await.expect("b") else {
+        panic!("b cannot have won");
+    };
+    assert_eq!(holder, "a:2");
+    assert!(expires_in.is_some_and(|d| d > Duration::from_secs(3) && d <= ttl), "{expires_in:?}");
+}
