@@ -427,7 +427,8 @@ impl RedisServer {
         panic!("redis-server on port {} did not start", self.port);
     }
 
-    /// True when the server on the port is this child (`INFO server`'s `process_id`).
+    /// True when the server on the port is this child (`INFO server`'s `process_id`) and
+    /// has loaded its data (`PING`).
     fn answers(&self) -> bool {
         let Ok(client) = redis::Client::open(self.url()) else {
             return false;
@@ -443,7 +444,10 @@ impl RedisServer {
         let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut c) else {
             return false;
         };
+        // INFO answers while the dataset is still loading; PING waits for it (a server
+        // restarted on its append-only file answers LOADING until then).
         info.lines().any(|l| l.trim() == format!("process_id:{}", self.child.pid()))
+            && redis::cmd("PING").query::<String>(&mut c).is_ok_and(|p| p == "PONG")
     }
 
     /// The port.
