@@ -211,11 +211,10 @@ fn transport(e: &reqwest::Error) -> FetchError {
     }
 }
 
-/// The repo status an XRPC error body names, if it names one.
+/// The repo status an XRPC error body (`{"error": "RepoTakendown", …}`) names, if any.
 fn xrpc_error(body: &[u8]) -> Option<Gone> {
-    let text = std::str::from_utf8(body).ok()?;
-    let name = text.split("\"error\"").nth(1)?.split('"').nth(1)?;
-    match name {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    match v.get("error")?.as_str()? {
         "RepoNotFound" => Some(Gone::NotFound),
         "RepoTakendown" => Some(Gone::Takendown),
         "RepoSuspended" => Some(Gone::Suspended),
