@@ -301,6 +301,8 @@ impl TryFrom<Raw> for Config {
         let sink = sink(&r, &mut errors);
         check_pairing(&r, store, &sink, lease_backend, &mut errors);
         let mut options = r.options;
+        // Large repos fetched for resync spill to the data directory.
+        options.resync.limits.spill_dir.clone_from(&r.data_dir);
         // The verifier's per-repo chains are as many as the chain check's.
         options.verify.repos = options.chain_repos;
         match r.chain {

@@ -158,6 +158,101 @@ impl Event {
     }
 }
 
+/// A repo fetched whole from its PDS and verified, delivered with fold semantics: a
+/// downstream forgets what it holds of the repo on the `#resync` event, then applies each
+/// `#record` as a create (deletes are implied). It reaches the handler in the repo's lane,
+/// after every event of the repo handed over before it and before every one after it.
+#[derive(Debug)]
+pub struct Snapshot {
+    repo: repo_sync::snapshot::RepoSnapshot,
+    reason: String,
+}
+
+impl Snapshot {
+    /// A snapshot of `repo`, fetched because of `reason` (`chain`, `signature`, …); the
+    /// collection filter keeps only the records it wants.
+    #[must_use]
+    pub fn new(mut repo: repo_sync::snapshot::RepoSnapshot, reason: &str, filter: Option<&CollectionFilter>) -> Self {
+        if let Some(f) = filter {
+            repo.records.retain(|r| f.wants(&r.collection));
+        }
+        Self { repo, reason: reason.to_owned() }
+    }
+
+    /// The repo's DID.
+    #[must_use]
+    pub fn did(&self) -> &str {
+        &self.repo.did
+    }
+
+    /// The commit's rev.
+    #[must_use]
+    pub fn rev(&self) -> &str {
+        &self.repo.rev
+    }
+
+    /// Why the repo was fetched.
+    #[must_use]
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// The verified repo: commit, tree root, records (the collection filter applied).
+    #[must_use]
+    pub fn repo(&self) -> &repo_sync::snapshot::RepoSnapshot {
+        &self.repo
+    }
+
+    /// Appends the `#resync` event:
+    /// `{"type":"#resync","repo","rev","commit","data","reason","records":N}`.
+    pub fn write_resync_json(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let r = &self.repo;
+        out.push_str("{\"type\":\"#resync\",\"repo\":");
+        atproto_data::json::write_str(&r.did, out);
+        out.push_str(",\"rev\":");
+        atproto_data::json::write_str(&r.rev, out);
+        out.push_str(",\"commit\":");
+        atproto_data::json::write_str(&r.commit, out);
+        out.push_str(",\"data\":");
+        atproto_data::json::write_str(&r.data, out);
+        out.push_str(",\"reason\":");
+        atproto_data::json::write_str(&self.reason, out);
+        let _ = write!(out, ",\"records\":{}}}", r.records.len());
+    }
+
+    /// Appends the `#record` event of the `i`th record:
+    /// `{"type":"#record","repo","rev","collection","rkey","cid","record"}`.
+    pub fn write_record_json(&self, i: usize, out: &mut String) {
+        let r = &self.repo;
+        let rec = &r.records[i];
+        out.push_str("{\"type\":\"#record\",\"repo\":");
+        atproto_data::json::write_str(&r.did, out);
+        out.push_str(",\"rev\":");
+        atproto_data::json::write_str(&r.rev, out);
+        out.push_str(",\"collection\":");
+        atproto_data::json::write_str(&rec.collection, out);
+        out.push_str(",\"rkey\":");
+        atproto_data::json::write_str(&rec.rkey, out);
+        out.push_str(",\"cid\":");
+        atproto_data::json::write_str(&rec.cid, out);
+        out.push_str(",\"record\":");
+        out.push_str(&rec.json);
+        out.push('}');
+    }
+
+    /// How many events the snapshot is: the `#resync` and one per record.
+    #[must_use]
+    pub fn events(&self) -> usize {
+        1 + self.repo.records.len()
+    }
+
+    /// Appends event `i` of [`Snapshot::events`] (0 is the `#resync`).
+    pub fn write_event_json(&self, i: usize, out: &mut String) {
+        if i == 0 { self.write_resync_json(out) } else { self.write_record_json(i - 1, out) }
+    }
+}
+
 /// How the lane renders events for a handler that wants JSON.
 #[derive(Debug, Clone)]
 pub(crate) struct Render {
@@ -345,6 +440,21 @@ pub trait Handler: Send + Sync + 'static {
     /// writes (the consumer then runs one lane and never commits on its own).
     fn commits_cursor(&self) -> bool {
         false
+    }
+
+    /// True when the handler takes repo snapshots ([`Handler::snapshot`]): repo sync
+    /// (resync after a chain break or an invalid commit) runs only for such a handler.
+    fn takes_snapshots(&self) -> bool {
+        false
+    }
+
+    /// Takes a repo snapshot (fold semantics: see [`Snapshot`]), durably, before the
+    /// repo's later events. `Failed` is retried with backoff; `Refused` drops this
+    /// snapshot (the repo is fetched again later). The default refuses: a handler that
+    /// takes snapshots says so with [`Handler::takes_snapshots`].
+    async fn snapshot(&self, snapshot: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let _ = ctx;
+        Err(HandlerError::refused("handler", format!("takes no repo snapshots (repo {})", snapshot.did())))
     }
 
     /// After this many failed writes in a row (`Failed`), the term is given up so that

@@ -69,10 +69,20 @@ pub const INVALID: &str = "firekeeper_invalid_total";
 pub const UNPROVEN: &str = "firekeeper_verify_unproven_total";
 /// Signature failures that made the repo's DID be resolved again.
 pub const KEY_REFRESHES: &str = "firekeeper_verify_key_refreshes_total";
-/// Repos marked desynchronised by an invalid event.
+/// Repos marked desynchronised (an invalid event, a chain break): the resync queue.
 pub const DESYNC_REPOS: &str = "firekeeper_repos_desynchronized";
 /// Events held because their DID does not resolve now.
 pub const VERIFY_HELD: &str = "firekeeper_verify_held";
+/// Repo resyncs from the PDS, by outcome and reason.
+pub const RESYNCS: &str = "firekeeper_resyncs_total";
+/// Records delivered in resync snapshots.
+pub const RESYNC_RECORDS: &str = "firekeeper_resync_records_total";
+/// Bytes of repos fetched for resyncs.
+pub const RESYNC_BYTES: &str = "firekeeper_resync_bytes_total";
+/// Resync downloads in flight.
+pub const RESYNC_IN_FLIGHT: &str = "firekeeper_resync_in_flight";
+/// Events dropped because a snapshot delivered before them covers them.
+pub const RESYNC_COVERED: &str = "firekeeper_resync_covered_total";
 
 const fn counter(name: &'static str, help: &'static str, labels: &'static [(&'static str, &'static str)]) -> Metric {
     Metric { name, kind: MetricKind::Counter, help, labels }
@@ -113,9 +123,14 @@ pub const ALL: &[Metric] = &[
     ),
     counter(UNPROVEN, "commits the MST inversion could not prove (delivered; invalid under strict)", &[]),
     counter(KEY_REFRESHES, "signature failures that resolved the repo's DID again", &[]),
+    counter(RESYNCS, "repo resyncs from the PDS, by outcome and reason", &[("outcome", "done"), ("reason", "chain")]),
+    counter(RESYNC_RECORDS, "records delivered in resync snapshots", &[]),
+    counter(RESYNC_BYTES, "bytes of repos fetched for resyncs", &[]),
+    counter(RESYNC_COVERED, "events dropped because a resync snapshot delivered before them covers them", &[]),
     gauge(LEADER, "1 while this replica leads"),
-    gauge(DESYNC_REPOS, "repos marked desynchronised by an invalid event"),
+    gauge(DESYNC_REPOS, "repos marked desynchronised (an invalid event, a broken chain): the resync queue"),
     gauge(VERIFY_HELD, "events held because their DID does not resolve now"),
+    gauge(RESYNC_IN_FLIGHT, "repo resync downloads in flight"),
     gauge(LAG_SECONDS, "the leader's age of the newest delivered event (relay time to now); 0 on a standby"),
     gauge(
         UNCOMMITTED_SEQ,
@@ -156,6 +171,7 @@ pub(crate) const LEADER_GAUGES: &[&str] = &[
     ON_SECONDARY,
     CHAIN_REPOS,
     SWITCH_REFUSED_NOW,
+    RESYNC_IN_FLIGHT,
 ];
 
 /// `firekeeper_events_total`, one handle per type, registered once per term: the

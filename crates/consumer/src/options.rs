@@ -5,6 +5,7 @@ use std::time::Duration;
 use crate::chain::ChainBreaks;
 use crate::continuity::GapPolicy;
 use crate::handler::CollectionFilter;
+use crate::resync::ResyncOptions;
 use crate::verify::VerifyOptions;
 
 /// Where a term starts when the store holds no cursor for its relay and no earlier term
@@ -62,6 +63,8 @@ pub struct Options {
     pub chain_breaks: ChainBreaks,
     /// Verification of every commit against its repo's key (off by default).
     pub verify: VerifyOptions,
+    /// Repo sync: desynchronised repos fetched whole from their PDS.
+    pub resync: ResyncOptions,
 }
 
 impl Default for Options {
@@ -82,6 +85,7 @@ impl Default for Options {
             chain_repos: 1_000_000,
             chain_breaks: ChainBreaks::Count,
             verify: VerifyOptions::default(),
+            resync: ResyncOptions::default(),
         }
     }
 }

@@ -15,10 +15,10 @@ use tokio::sync::mpsc;
 
 use crate::chain::ChainBreaks;
 use crate::continuity::{Key, Memory, Times};
-use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, render};
+use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, Snapshot, render};
 use crate::metrics as m;
 use crate::status::StatusHandle;
-use crate::verify::{Invalid, InvalidPolicy, Verdict, Verifier};
+use crate::verify::{Desync, Invalid, InvalidPolicy, Verdict, Verifier};
 
 /// What a lane reports: the seqs of an accepted batch, or why it stopped.
 pub(crate) type Done = Result<Vec<u64>, LaneStop>;
@@ -35,6 +35,16 @@ pub(crate) enum LaneStop {
     Invalid(Box<(u64, Invalid)>),
 }
 
+/// What a lane answers once a snapshot is written: `Err` says why it was not.
+pub(crate) type SnapshotDone = tokio::sync::oneshot::Sender<Result<(), String>>;
+
+/// A snapshot handed to a lane: written once the lane has taken `after` events.
+pub(crate) struct Staged {
+    after: u64,
+    snapshot: Arc<Snapshot>,
+    done: SnapshotDone,
+}
+
 /// Retries of a failed batch: 100 ms doubling to 10 s, jittered.
 const RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(100), max: Duration::from_secs(10) };
 
@@ -48,6 +58,10 @@ pub(crate) const CHUNK: usize = 64;
 /// what may be committed. The term drives it through its methods only.
 pub(crate) struct Pipeline {
     lanes: Vec<mpsc::Sender<Vec<Event>>>,
+    /// Per lane, where snapshots go (written after the events sent before them).
+    snapshots: Vec<mpsc::UnboundedSender<Staged>>,
+    /// Per lane, the events sent to it so far.
+    sent: Vec<u64>,
     /// Per lane, events delivered to the window and not yet sent to the lane.
     staged: Vec<Vec<Event>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -82,6 +96,10 @@ pub(crate) struct Shape {
     pub(crate) status: StatusHandle,
     /// Where desynchronised repos are kept (the cursor store).
     pub(crate) store: Arc<dyn checkpoint::CursorStore>,
+    /// The desynchronised repos, when a verifier or repo sync marks them.
+    pub(crate) desync: Option<Arc<Desync>>,
+    /// Fetches desynchronised repos (repo sync on).
+    pub(crate) resyncer: Option<Arc<crate::resync::Resyncer>>,
     /// What an event the sink refuses for its content does (the bad-frame policy).
     pub(crate) unstorable: BadFramePolicy,
 }
@@ -116,10 +134,13 @@ impl Pipeline {
         let write_ahead = handler.write_ahead();
         let (done_tx, done) = mpsc::unbounded_channel();
         let mut lanes = Vec::with_capacity(lanes_n);
+        let mut snapshots = Vec::with_capacity(lanes_n);
         let mut tasks = Vec::with_capacity(lanes_n);
         for index in 0..lanes_n {
             let (tx, rx) = mpsc::channel(shape.queue_depth.div_ceil(CHUNK));
             lanes.push(tx);
+            let (snap_tx, snap_rx) = mpsc::unbounded_channel();
+            snapshots.push(snap_tx);
             let lane = Lane {
                 index,
                 handler: handler.clone(),
@@ -131,10 +152,11 @@ impl Pipeline {
                 chain_breaks: shape.chain_breaks,
                 status: shape.status.clone(),
                 store: shape.store.clone(),
+                desync: shape.desync.clone(),
                 failures: std::sync::atomic::AtomicU32::new(0),
                 unstorable: shape.unstorable,
             };
-            tasks.push(tokio::spawn(lane.run(rx, done_tx.clone())));
+            tasks.push(tokio::spawn(lane.run(rx, snap_rx, done_tx.clone())));
         }
         // Every lane holds at most `queue_depth` queued events, the batch it is writing
         // and what it wrote ahead; the window also keeps finished events behind an
@@ -142,7 +164,9 @@ impl Pipeline {
         let capacity = lanes_n * (shape.queue_depth.div_ceil(CHUNK) * CHUNK + CHUNK + batch_max + write_ahead);
         Self {
             staged: (0..lanes.len()).map(|_| Vec::with_capacity(CHUNK)).collect(),
+            sent: vec![0; lanes.len()],
             lanes,
+            snapshots,
             tasks,
             done,
             watermark: Watermark::new(start, capacity),
@@ -227,7 +251,9 @@ impl Pipeline {
         }
         match self.lanes[lane].try_reserve() {
             Ok(permit) => {
-                permit.send(std::mem::take(&mut self.staged[lane]));
+                let chunk = std::mem::take(&mut self.staged[lane]);
+                self.sent[lane] += chunk.len() as u64;
+                permit.send(chunk);
                 Sent::Done
             }
             Err(mpsc::error::TrySendError::Closed(())) => Sent::Gone,
@@ -280,7 +306,16 @@ impl Pipeline {
     /// Sends lane `i`'s staged events, waiting for room; `false` when the lane is gone.
     pub(crate) async fn send(&mut self, i: usize) -> bool {
         let chunk = std::mem::take(&mut self.staged[i]);
+        self.sent[i] += chunk.len() as u64;
         chunk.is_empty() || self.lanes[i].send(chunk).await.is_ok()
+    }
+
+    /// Hands lane `lane` a snapshot to write after every event sent to it so far (the
+    /// caller sent the lane's staged events first); `false` when the lane is gone.
+    pub(crate) fn push_snapshot(&mut self, lane: usize, snapshot: Arc<Snapshot>, done: SnapshotDone) -> bool {
+        debug_assert!(self.staged[lane].is_empty(), "staged events go before the snapshot");
+        let s = Staged { after: self.sent[lane], snapshot, done };
+        self.snapshots[lane].send(s).is_ok()
     }
 
     /// Closes the lanes and waits until every delivered event is done.
@@ -339,6 +374,9 @@ struct Lane {
     chain_breaks: Option<ChainBreaks>,
     status: StatusHandle,
     store: Arc<dyn checkpoint::CursorStore>,
+    /// The desynchronised repos whose changes the lane keeps in the store (with a
+    /// verifier or repo sync).
+    desync: Option<Arc<Desync>>,
     /// Failed writes in a row (for [`Handler::give_up_after`]).
     failures: std::sync::atomic::AtomicU32,
     unstorable: BadFramePolicy,
@@ -376,15 +414,37 @@ impl Lane {
     /// Takes batches off the lane's queue in order and submits them; with a handler that
     /// writes ahead, up to [`Handler::write_ahead`] events are submitted and not yet
     /// durable, and each batch is reported done once its write is.
-    async fn run(self, mut rx: mpsc::Receiver<Vec<Event>>, done: mpsc::UnboundedSender<Done>) {
+    async fn run(
+        self,
+        mut rx: mpsc::Receiver<Vec<Event>>,
+        mut snapshots: mpsc::UnboundedReceiver<Staged>,
+        done: mpsc::UnboundedSender<Done>,
+    ) {
         let ahead = self.handler.write_ahead();
         let mut w = Writes::default();
         // Events received beyond the last batch's size, first in the next.
         let mut carry: VecDeque<Event> = VecDeque::new();
         // Where events are rendered before each is copied out at its own size.
         let mut scratch = String::new();
+        // Events taken into batches so far, and the snapshot waiting for its turn.
+        let mut taken: u64 = 0;
+        let mut staged: Option<Staged> = None;
+        let mut snapshots_open = true;
         loop {
+            if staged.as_ref().is_some_and(|s| s.after <= taken) {
+                let s = staged.take().expect("a staged snapshot");
+                // Everything of the lane before it is durable first.
+                w.held = 0;
+                if !self.drain(&mut w.inflight, &done).await {
+                    return;
+                }
+                if !self.snapshot(s, &done).await {
+                    return;
+                }
+                continue;
+            }
             let room = w.inflight.is_empty() || w.held < ahead;
+            let limit = staged.as_ref().map_or(usize::MAX, |s| usize::try_from(s.after - taken).unwrap_or(usize::MAX));
             tokio::select! {
                 biased;
                 r = oldest(&mut w.inflight) => {
@@ -394,10 +454,15 @@ impl Lane {
                         return;
                     }
                 }
+                s = snapshots.recv(), if staged.is_none() && snapshots_open => match s {
+                    Some(s) => staged = Some(s),
+                    None => snapshots_open = false,
+                },
                 chunk = recv_after(&mut carry, &mut rx), if room => {
                     let Some(chunk) = chunk else { break };
                     carry.extend(chunk);
-                    let mut batch = self.next_batch(&mut carry, &mut rx);
+                    let mut batch = self.next_batch(&mut carry, &mut rx, limit);
+                    taken += batch.len() as u64;
                     let mut seqs: Vec<u64> = Vec::new();
                     let Some(stop) = self.prepare(&mut batch, &mut seqs, &mut scratch, &done).await else { return };
                     if !self.submit_batch(batch, seqs, &mut w, &mut scratch, &done).await {
@@ -418,16 +483,53 @@ impl Lane {
         self.drain(&mut w.inflight, &done).await;
     }
 
+    /// Writes a snapshot whose turn came, retrying a failed write while the term lasts,
+    /// and tells whoever staged it how it went; `false` when the lane must stop.
+    async fn snapshot(&self, s: Staged, done: &mpsc::UnboundedSender<Done>) -> bool {
+        let mut backoff = Backoff::new(RETRY);
+        let r = loop {
+            if let Err(e) = self.ctx.ensure_active() {
+                break Err(e);
+            }
+            match self.handler.snapshot(&s.snapshot, &self.ctx).await {
+                Err(e @ HandlerError::Failed { .. }) => {
+                    if let Err(e) = self.back_off(&e, &mut backoff, s.snapshot.events()).await {
+                        break Err(e);
+                    }
+                }
+                r => break r,
+            }
+        };
+        match r {
+            Ok(()) => {
+                self.status.sink_ok();
+                let _ = s.done.send(Ok(()));
+                true
+            }
+            Err(e @ HandlerError::Refused { .. }) => {
+                tracing::error!(error = %e, repo = s.snapshot.did(), "the downstream refuses the repo's snapshot; it will be fetched again later");
+                let _ = s.done.send(Err(e.to_string()));
+                true
+            }
+            Err(e) => {
+                let _ = s.done.send(Err(e.to_string()));
+                let _ = done.send(Err(LaneStop::Handler(e)));
+                false
+            }
+        }
+    }
+
     /// The next batch: what is carried over, topped up from the queue without waiting,
-    /// cut at the handler's batch size (the rest stays carried).
-    fn next_batch(&self, carry: &mut VecDeque<Event>, rx: &mut mpsc::Receiver<Vec<Event>>) -> Vec<Event> {
+    /// cut at the handler's batch size or at `limit` (a snapshot's turn; the rest stays
+    /// carried).
+    fn next_batch(&self, carry: &mut VecDeque<Event>, rx: &mut mpsc::Receiver<Vec<Event>>, limit: usize) -> Vec<Event> {
         while carry.len() < self.batch_max {
             match rx.try_recv() {
                 Ok(chunk) => carry.extend(chunk),
                 Err(_) => break,
             }
         }
-        let n = carry.len().min(self.batch_max);
+        let n = carry.len().min(self.batch_max).min(limit);
         carry.drain(..n).collect()
     }
 
@@ -446,19 +548,21 @@ impl Lane {
         let mut stop = None;
         if let Some(v) = &self.verifier {
             stop = self.verify(v, batch).await?;
+        }
+        if let Some(d) = &self.desync {
             // What changed of the batch's repos' desync states is kept by the store
             // before the cursor can pass the events that changed it.
-            if let Err(e) = self.persist(v, batch).await {
+            if let Err(e) = self.persist(d, batch).await {
                 let _ = done.send(Err(LaneStop::Handler(e)));
                 return None;
             }
-            batch.retain(|e| {
-                if e.hidden {
-                    seqs.push(e.seq());
-                }
-                !e.hidden
-            });
         }
+        batch.retain(|e| {
+            if e.hidden {
+                seqs.push(e.seq());
+            }
+            !e.hidden
+        });
         if let Some(r) = &self.render {
             render_batch(batch, r, scratch);
         }
@@ -716,43 +820,14 @@ impl Lane {
 impl Lane {
     /// Writes the desync changes of the batch's repos to the store, fenced by the term,
     /// retried while the store does not answer (`Fenced`: a newer term owns the store).
-    async fn persist(&self, v: &Verifier, batch: &[Event]) -> Result<(), HandlerError> {
-        if !self.store.keeps_repos() {
-            return Ok(());
-        }
-        let desync = v.desync();
+    async fn persist(&self, desync: &Desync, batch: &[Event]) -> Result<(), HandlerError> {
         let mut seen: Vec<&str> = Vec::new();
         for did in batch.iter().filter_map(Event::did) {
             if seen.contains(&did) {
                 continue;
             }
             seen.push(did);
-            let Some(change) = desync.take_change(did) else { continue };
-            let holder = self.ctx.term.holder();
-            let fence = checkpoint::Fence { holder: &holder, token: self.ctx.token };
-            let w = checkpoint::RepoWrite { did, value: change.value() };
-            let mut backoff = Backoff::new(RETRY);
-            loop {
-                self.ctx.ensure_active().inspect_err(|_| desync.untake(did))?;
-                match self.store.write_repo(w, fence).await {
-                    Ok(checkpoint::CommitOutcome::Fenced { .. }) => {
-                        desync.untake(did);
-                        return Err(HandlerError::Fenced);
-                    }
-                    Ok(_) => break,
-                    Err(e) => {
-                        tracing::warn!(error = %e, repo = did, "keeping a desynchronised repo in the store failed; retrying");
-                        let delay = backoff.next_delay();
-                        tokio::select! {
-                            () = tokio::time::sleep(delay) => {}
-                            () = self.ctx.cancel.cancelled() => {
-                                desync.untake(did);
-                                return Err(HandlerError::Cancelled);
-                            }
-                        }
-                    }
-                }
-            }
+            crate::verify::keep(self.store.as_ref(), desync, did, &self.ctx).await?;
         }
         Ok(())
     }
@@ -764,6 +839,9 @@ impl Lane {
         let Some(b) = memory.record(self.index, Key::of(e.message())) else { return };
         let Some(policy) = self.chain_breaks else { return };
         crate::chain::report(&b, e.seq(), self.ctx.relay.as_str());
+        if let Some(d) = self.desync.as_ref().filter(|d| d.resyncs()) {
+            d.mark_repo(e.seq(), &b.repo, crate::verify::Reason::Chain.as_str(), Some(&b.rev));
+        }
         if policy == ChainBreaks::Emit {
             // A filtered-out commit that reveals a break still goes out, to carry it.
             e.hidden = false;

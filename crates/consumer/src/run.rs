@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::handler::{Handler, Render};
 use crate::metrics;
 use crate::pipeline::Shape;
+use crate::resync::Resyncer;
 use crate::shadow::{Recollection, Shadow};
 use crate::status::{Role, StatusHandle};
 use crate::term::{self, Ctx, Remembered, TermEnd};
@@ -95,8 +96,12 @@ impl Consumer {
         let verifier = verify::Verifier::new(&settings.options.verify, lanes, status.desync())
             .map_err(|e| Error::Config(format!("verification: {e}")))?
             .map(Arc::new);
+        let resyncer = resyncer(&settings, &*handler, &status)?;
+        let desync = (verifier.is_some() || resyncer.is_some()).then(|| status.desync());
         let shape = Shape {
             lanes: settings.options.lanes,
+            desync,
+            resyncer,
             queue_depth: settings.options.queue_depth,
             render,
             verifier,
@@ -353,6 +358,17 @@ async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> R
             None => return Ok(()),
         }
     }
+}
+
+/// The resyncer, when repo sync runs: on, and a handler that takes snapshots.
+fn resyncer(settings: &Settings, handler: &dyn Handler, status: &StatusHandle) -> Result<Option<Arc<Resyncer>>, Error> {
+    let r = &settings.options.resync;
+    if !(r.enabled && handler.takes_snapshots()) {
+        return Ok(None);
+    }
+    status.desync().set_resync(r.retry_first, r.retry_max, r.attempts);
+    let resolver = settings.options.verify.resolver.clone();
+    Ok(Some(Arc::new(Resyncer::new(r.clone(), resolver, settings.options.collections.clone())?)))
 }
 
 #[cfg(test)]

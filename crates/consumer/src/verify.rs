@@ -131,10 +131,29 @@ pub struct Desynced {
     pub rev: Option<String>,
     /// When it was marked (Unix ms).
     pub since: i64,
+    /// With repo sync: `desynchronized` (queued), `resyncing` (a download in flight),
+    /// `gone` (the PDS says it is not there) or `failed` (every attempt failed).
+    pub state: &'static str,
+    /// Failed resync attempts so far.
+    pub attempts: u32,
+    /// When the next resync may start (Unix ms).
+    pub due: i64,
+    /// Marked again while its resync was in flight: queued again once it lands.
+    #[serde(skip)]
+    again: bool,
+}
+
+/// The states of a desynchronised repo (see [`Desynced::state`]).
+pub(crate) mod state {
+    pub(crate) const QUEUED: &str = "desynchronized";
+    pub(crate) const RESYNCING: &str = "resyncing";
+    pub(crate) const GONE: &str = "gone";
+    pub(crate) const FAILED: &str = "failed";
+    pub(crate) const ALL: [&str; 4] = [QUEUED, RESYNCING, GONE, FAILED];
 }
 
 /// Now, Unix ms.
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
 }
 
@@ -149,6 +168,15 @@ struct Kept {
     rev: Option<String>,
     /// When it was marked (Unix ms).
     since: i64,
+    /// Its repo-sync state (absent in entries of older versions: queued).
+    #[serde(default)]
+    state: Option<String>,
+    /// Failed resync attempts.
+    #[serde(default)]
+    attempts: u32,
+    /// When the next resync may start (Unix ms).
+    #[serde(default)]
+    due: i64,
 }
 
 /// A repo's desync state changed: what the store must now keep.
@@ -169,8 +197,23 @@ impl Change {
     }
 }
 
+/// How a resync ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The snapshot landed: synchronised (unless marked again meanwhile).
+    Done,
+    /// Try again at this time (Unix ms) without counting an attempt (a rate limit, a
+    /// snapshot older than what was delivered, the term ended).
+    Later(i64),
+    /// Failed: try again after the backoff, or give up after the last attempt.
+    Failed,
+    /// The PDS says the repo is not there: wait for an event of it.
+    Gone,
+}
+
 /// The repos marked desynchronised (shared with the status handle), and which of them
-/// changed since the store last heard.
+/// changed since the store last heard. With repo sync it is the resync queue: each
+/// entry's state says where its resync stands.
 #[derive(Debug, Default)]
 pub struct Desync {
     repos: Mutex<HashMap<String, Desynced>>,
@@ -178,33 +221,167 @@ pub struct Desync {
     max: AtomicUsize,
     /// Repos marked or cleared and not yet written to the store.
     dirty: Mutex<std::collections::HashSet<String>>,
+    /// Repo sync runs: entries stay until their snapshot lands.
+    resync: std::sync::atomic::AtomicBool,
+    /// Wakes the resync worker when a repo is queued.
+    pub(crate) queued: tokio::sync::Notify,
+    /// One write to the store at a time, so the last state written is the last state.
+    pub(crate) writes: tokio::sync::Mutex<()>,
+    /// Retry backoff of failed resyncs: first delay and cap (ms), and the attempts.
+    retry: Mutex<(i64, i64, u32)>,
 }
 
 impl Desync {
     fn mark(&self, seq: u64, inv: &Invalid) {
+        self.mark_repo(seq, &inv.repo, inv.reason.as_str(), inv.rev.as_deref());
+    }
+
+    /// Marks `repo` desynchronised by the event at `seq` (with repo sync: queues its
+    /// resync, or queues it again after the one in flight).
+    pub(crate) fn mark_repo(&self, seq: u64, repo: &str, reason: &'static str, rev: Option<&str>) {
         let Ok(mut r) = self.repos.lock() else { return };
         let max = self.max.load(Ordering::Relaxed);
-        if r.len() < max || r.contains_key(&inv.repo) {
-            let since = r.get(&inv.repo).map_or_else(now_ms, |d| d.since);
-            let d = Desynced { repo: inv.repo.clone(), seq, reason: inv.reason.as_str(), rev: inv.rev.clone(), since };
-            r.insert(inv.repo.clone(), d);
-            self.dirty.lock().expect("dirty").insert(inv.repo.clone());
+        let now = now_ms();
+        if let Some(d) = r.get_mut(repo) {
+            d.seq = seq;
+            d.reason = reason;
+            d.rev = rev.map(str::to_owned);
+            match d.state {
+                state::RESYNCING => d.again = true,
+                state::GONE => {
+                    // An event of it: it is back.
+                    d.state = state::QUEUED;
+                    d.attempts = 0;
+                    d.due = now;
+                }
+                _ => {}
+            }
+        } else if r.len() < max || max == 0 {
+            let d = Desynced {
+                repo: repo.to_owned(),
+                seq,
+                reason,
+                rev: rev.map(str::to_owned),
+                since: now,
+                state: state::QUEUED,
+                attempts: 0,
+                due: now,
+                again: false,
+            };
+            r.insert(repo.to_owned(), d);
+        } else {
+            return;
+        }
+        self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        self.len.store(r.len(), Ordering::Relaxed);
+        metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
+        drop(r);
+        self.queued.notify_one();
+    }
+
+    fn clear(&self, repo: &str) {
+        if self.len.load(Ordering::Relaxed) == 0 || self.resync.load(Ordering::Relaxed) {
+            // With repo sync an entry stays until its snapshot lands.
+            return;
+        }
+        self.remove(repo);
+    }
+
+    fn remove(&self, repo: &str) {
+        let Ok(mut r) = self.repos.lock() else { return };
+        if r.remove(repo).is_some() {
+            tracing::info!(repo, "repo synchronised again");
+            self.dirty.lock().expect("dirty").insert(repo.to_owned());
         }
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
     }
 
-    fn clear(&self, repo: &str) {
-        if self.len.load(Ordering::Relaxed) == 0 {
-            return;
+    /// Turns repo sync on: entries are a resync queue, retried with backoff from
+    /// `first` to `cap`, at most `attempts` times.
+    pub(crate) fn set_resync(&self, first: Duration, cap: Duration, attempts: u32) {
+        self.resync.store(true, Ordering::Relaxed);
+        let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4);
+        *self.retry.lock().expect("retry") = (ms(first), ms(cap), attempts.max(1));
+    }
+
+    /// True when repo sync runs (entries are a resync queue).
+    pub(crate) fn resyncs(&self) -> bool {
+        self.resync.load(Ordering::Relaxed)
+    }
+
+    /// Up to `n` queued repos whose resync is due at `now` (Unix ms), now `resyncing`,
+    /// with why they were queued. The oldest first.
+    pub(crate) fn take_due(&self, now: i64, n: usize) -> Vec<(String, &'static str)> {
+        let Ok(mut r) = self.repos.lock() else { return Vec::new() };
+        let mut due: Vec<&mut Desynced> = r.values_mut().filter(|d| d.state == state::QUEUED && d.due <= now).collect();
+        due.sort_by_key(|d| (d.due, d.seq));
+        let taken: Vec<(String, &'static str)> = due
+            .into_iter()
+            .take(n)
+            .map(|d| {
+                d.state = state::RESYNCING;
+                d.again = false;
+                (d.repo.clone(), d.reason)
+            })
+            .collect();
+        let mut dirty = self.dirty.lock().expect("dirty");
+        for (repo, _) in &taken {
+            dirty.insert(repo.clone());
         }
+        taken
+    }
+
+    /// The earliest due time of a queued repo (Unix ms).
+    pub(crate) fn next_due(&self) -> Option<i64> {
+        let r = self.repos.lock().ok()?;
+        r.values().filter(|d| d.state == state::QUEUED).map(|d| d.due).min()
+    }
+
+    /// Records how `repo`'s resync ended.
+    pub(crate) fn finish(&self, repo: &str, outcome: Outcome) {
+        let now = now_ms();
+        let (first, cap, attempts) = *self.retry.lock().expect("retry");
         let Ok(mut r) = self.repos.lock() else { return };
-        if r.remove(repo).is_some() {
-            tracing::info!(repo, "repo verified again: no longer desynchronised");
-            self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        let Some(d) = r.get_mut(repo) else { return };
+        let again = std::mem::take(&mut d.again);
+        match outcome {
+            Outcome::Done if !again => {
+                drop(r);
+                self.remove(repo);
+                return;
+            }
+            Outcome::Done => {
+                d.state = state::QUEUED;
+                d.attempts = 0;
+                d.due = now;
+            }
+            Outcome::Later(at) => {
+                d.state = state::QUEUED;
+                d.due = if again { now } else { at };
+            }
+            Outcome::Failed => {
+                d.attempts += 1;
+                if d.attempts >= attempts {
+                    d.state = state::FAILED;
+                    tracing::error!(
+                        repo,
+                        attempts = d.attempts,
+                        "resync failed every attempt: the repo stays desynchronised until an operator queues it again"
+                    );
+                } else {
+                    d.state = state::QUEUED;
+                    let exp = first.saturating_mul(1i64 << d.attempts.saturating_sub(1).min(20)).min(cap);
+                    // Jitter: up to a quarter more, so a burst of failures spreads out.
+                    let jitter = (RandomState::new().hash_one(repo) % 1024).cast_signed() * exp / 4096;
+                    d.due = now.saturating_add(exp + jitter);
+                }
+            }
+            Outcome::Gone => d.state = state::GONE,
         }
-        self.len.store(r.len(), Ordering::Relaxed);
-        metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
+        self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        drop(r);
+        self.queued.notify_one();
     }
 
     /// `repo`'s state in the store's form, if it changed since the store last heard.
@@ -215,7 +392,15 @@ impl Desync {
         let r = self.repos.lock().expect("repos");
         Some(match r.get(repo) {
             Some(d) => {
-                let kept = Kept { reason: d.reason.to_owned(), seq: d.seq, rev: d.rev.clone(), since: d.since };
+                let kept = Kept {
+                    reason: d.reason.to_owned(),
+                    seq: d.seq,
+                    rev: d.rev.clone(),
+                    since: d.since,
+                    state: Some(d.state.to_owned()),
+                    attempts: d.attempts,
+                    due: d.due,
+                };
                 Change::Kept(serde_json::to_string(&kept).unwrap_or_default())
             }
             None => Change::Cleared,
@@ -227,7 +412,8 @@ impl Desync {
         self.dirty.lock().expect("dirty").insert(repo.to_owned());
     }
 
-    /// Replaces the list with what the store kept (a new term continues the last).
+    /// Replaces the list with what the store kept (a new term continues the last): a
+    /// resync in flight in an older term is queued again (what it held died with it).
     pub(crate) fn load(&self, kept: &[(String, String)]) {
         let Ok(mut r) = self.repos.lock() else { return };
         r.clear();
@@ -238,10 +424,28 @@ impl Desync {
                 continue;
             };
             let reason = Reason::ALL.iter().find(|r| r.as_str() == k.reason).map_or("unknown", |r| r.as_str());
-            r.insert(repo.clone(), Desynced { repo: repo.clone(), seq: k.seq, reason, rev: k.rev, since: k.since });
+            let kept_state = k.state.as_deref().unwrap_or(state::QUEUED);
+            let st = match state::ALL.iter().find(|s| **s == kept_state) {
+                Some(&state::RESYNCING) | None => state::QUEUED,
+                Some(s) => s,
+            };
+            let d = Desynced {
+                repo: repo.clone(),
+                seq: k.seq,
+                reason,
+                rev: k.rev,
+                since: k.since,
+                state: st,
+                attempts: k.attempts,
+                due: k.due,
+                again: false,
+            };
+            r.insert(repo.clone(), d);
         }
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
+        drop(r);
+        self.queued.notify_one();
     }
 
     /// How many repos are desynchronised.
@@ -256,6 +460,20 @@ impl Desync {
         self.len() == 0
     }
 
+    /// How many repos are in each state.
+    #[must_use]
+    pub fn by_state(&self) -> [(&'static str, usize); 4] {
+        let mut out = state::ALL.map(|s| (s, 0));
+        if let Ok(r) = self.repos.lock() {
+            for d in r.values() {
+                if let Some(o) = out.iter_mut().find(|(s, _)| *s == d.state) {
+                    o.1 += 1;
+                }
+            }
+        }
+        out
+    }
+
     /// The desynchronised repos, by seq.
     #[must_use]
     pub fn list(&self) -> Vec<Desynced> {
@@ -264,6 +482,51 @@ impl Desync {
         v
     }
 }
+
+/// Writes `repo`'s changed state to the store, fenced by the term, retried while the store
+/// does not answer (`Fenced`: a newer term owns the store; `Cancelled`: the term ended).
+pub(crate) async fn keep(
+    store: &dyn checkpoint::CursorStore,
+    desync: &Desync,
+    did: &str,
+    ctx: &crate::handler::BatchCtx,
+) -> Result<(), crate::handler::HandlerError> {
+    use crate::handler::HandlerError;
+    if !store.keeps_repos() {
+        let _ = desync.take_change(did);
+        return Ok(());
+    }
+    let _one = desync.writes.lock().await;
+    let Some(change) = desync.take_change(did) else { return Ok(()) };
+    let holder = ctx.term.holder();
+    let fence = checkpoint::Fence { holder: &holder, token: ctx.token };
+    let w = checkpoint::RepoWrite { did, value: change.value() };
+    let mut backoff = Backoff::new(KEEP_RETRY);
+    loop {
+        ctx.ensure_active().inspect_err(|_| desync.untake(did))?;
+        match store.write_repo(w, fence).await {
+            Ok(checkpoint::CommitOutcome::Fenced { .. }) => {
+                desync.untake(did);
+                return Err(HandlerError::Fenced);
+            }
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                tracing::warn!(error = %e, repo = did, "keeping a desynchronised repo in the store failed; retrying");
+                let delay = backoff.next_delay();
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = ctx.cancel.cancelled() => {
+                        desync.untake(did);
+                        return Err(HandlerError::Cancelled);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Retries of a repo state the store did not take: 100 ms doubling to 10 s.
+const KEEP_RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(100), max: Duration::from_secs(10) };
 
 /// A repo's last verified commit: its rev (as a TID value) and the SHA-256 of its MST root.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -318,9 +581,12 @@ impl Verifier {
         }))
     }
 
-    /// The desynchronised repos.
-    pub(crate) fn desync(&self) -> &Desync {
-        &self.desync
+    /// A snapshot of `repo` at `rev` with tree root `data` (a CID) was handed over: the
+    /// chain continues from it.
+    pub(crate) fn resynced(&self, lane: usize, repo: &str, rev: u64, data: &[u8]) {
+        let key = self.keys.hash_one(repo);
+        let mut chains = self.lanes[lane % self.lanes.len()].lock().expect("lane chains");
+        chains.put(key, Last { rev, data: digest(data) });
     }
 
     /// The invalid-event policy.

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use atproto_identity::resolver::{ResolveError, Resolver};
-use atproto_repo::repo::{RepoError, verify_repo_bytes};
+use atproto_repo::repo::{RepoError, Snapshot, verify_repo_bytes};
 
 use crate::fetch::{FetchError, Limits, fetch, get_repo_url};
 
@@ -68,6 +68,34 @@ pub async fn check_repo(
     limits: &Limits,
     now_us: i64,
 ) -> Result<Checked, CheckError> {
+    verified(resolver, client, did, limits, now_us, |pds, snap, bytes| {
+        let mut collections = BTreeMap::new();
+        for r in &snap.records {
+            let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
+            *collections.entry(collection.to_owned()).or_insert(0) += 1;
+        }
+        Checked {
+            pds,
+            rev: snap.commit.rev.to_owned(),
+            commit: snap.commit.cid.to_string_b32(),
+            data: snap.commit.data.to_string_b32(),
+            collections,
+            bytes,
+        }
+    })
+    .await
+}
+
+/// Resolves, fetches and verifies `did`'s repo, then hands `f` the PDS, the verified
+/// snapshot (borrowing the body) and the body's size.
+pub(crate) async fn verified<T>(
+    resolver: &Resolver,
+    client: &guarded_http::Client,
+    did: &str,
+    limits: &Limits,
+    now_us: i64,
+    f: impl FnOnce(String, &Snapshot<'_>, u64) -> T,
+) -> Result<T, CheckError> {
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
     let url = get_repo_url(&pds, did).map_err(CheckError::Fetch)?;
@@ -81,17 +109,5 @@ pub async fn check_repo(
         other => other,
     }
     .map_err(CheckError::Verify)?;
-    let mut collections = BTreeMap::new();
-    for r in &snap.records {
-        let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
-        *collections.entry(collection.to_owned()).or_insert(0) += 1;
-    }
-    Ok(Checked {
-        pds,
-        rev: snap.commit.rev.to_owned(),
-        commit: snap.commit.cid.to_string_b32(),
-        data: snap.commit.data.to_string_b32(),
-        collections,
-        bytes: fetched.body.len(),
-    })
+    Ok(f(pds, &snap, fetched.body.len()))
 }

@@ -12,3 +12,4 @@
 
 pub mod check;
 pub mod fetch;
+pub mod snapshot;

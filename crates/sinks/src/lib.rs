@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use atproto_data::Message;
 use checkpoint::{CommitOutcome, PostgresStore};
-use consumer::{BatchCtx, Event, Handler, HandlerError};
+use consumer::{BatchCtx, Event, Handler, HandlerError, Snapshot};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Mutex;
 
@@ -85,6 +85,20 @@ pub fn line(e: &Event, ctx: &BatchCtx, out: &mut String) {
         }
     }
     out.push_str("}\n");
+}
+
+/// The JSON lines of a snapshot's events `range` (0 is the `#resync`): shaped like
+/// [`line`], with `"seq":null` (a snapshot has no place in the relay's numbering).
+#[must_use]
+pub fn snapshot_lines(s: &Snapshot, range: std::ops::Range<usize>, ctx: &BatchCtx) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(range.len() * 256);
+    for i in range {
+        let _ = write!(out, "{{\"seq\":null,\"relay\":\"{}\",\"token\":{},\"event\":", ctx.relay, ctx.token);
+        s.write_event_json(i, &mut out);
+        out.push_str("}\n");
+    }
+    out
 }
 
 fn lines(batch: &[Event], ctx: &BatchCtx) -> String {
@@ -187,10 +201,9 @@ fn torn(done: usize, of: usize, e: &std::io::Error) -> HandlerError {
     )
 }
 
-#[async_trait]
-impl Handler for Jsonl {
-    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        let buf = lines(batch, ctx);
+impl Jsonl {
+    /// Writes `buf` whole (or not at all, where the output can be cut back).
+    async fn write(&self, buf: String, ctx: &BatchCtx) -> Result<(), HandlerError> {
         let mut out = self.0.lock().await;
         // Waiting for the lock may have outlasted the term (another lane was writing, or
         // the process was frozen).
@@ -205,9 +218,25 @@ impl Handler for Jsonl {
             Output::Stream(w) => write_stream(w.as_mut(), buf.as_bytes()).await,
         }
     }
+}
+
+#[async_trait]
+impl Handler for Jsonl {
+    async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+        self.write(lines(batch, ctx), ctx).await
+    }
 
     fn wants_json(&self) -> bool {
         true
+    }
+
+    fn takes_snapshots(&self) -> bool {
+        true
+    }
+
+    /// The snapshot's lines in one write: a downstream never reads half a snapshot.
+    async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
+        self.write(snapshot_lines(s, 0..s.events(), ctx), ctx).await
     }
 }
 
@@ -248,7 +277,39 @@ pub fn refuses_content(status: u16) -> bool {
 #[async_trait]
 impl Handler for Webhook {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
-        let body = lines(batch, ctx);
+        self.post(lines(batch, ctx), ctx).await
+    }
+
+    fn wants_json(&self) -> bool {
+        true
+    }
+
+    fn max_batch(&self) -> usize {
+        self.batch
+    }
+
+    fn takes_snapshots(&self) -> bool {
+        true
+    }
+
+    /// The snapshot in POSTs of at most the batch size, `#resync` first; a failure
+    /// part-way is retried from the `#resync` (which makes the receiver start the repo
+    /// over).
+    async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let n = s.events();
+        let mut at = 0;
+        while at < n {
+            let end = (at + self.batch).min(n);
+            self.post(snapshot_lines(s, at..end, ctx), ctx).await?;
+            at = end;
+        }
+        Ok(())
+    }
+}
+
+impl Webhook {
+    /// One POST of JSON lines.
+    async fn post(&self, body: String, ctx: &BatchCtx) -> Result<(), HandlerError> {
         ctx.ensure_active()?;
         let resp = self
             .client
@@ -291,14 +352,6 @@ impl Handler for Webhook {
         } else {
             Err(HandlerError::failed("webhook", format!("answered HTTP {}", status.as_u16())))
         }
-    }
-
-    fn wants_json(&self) -> bool {
-        true
-    }
-
-    fn max_batch(&self) -> usize {
-        self.batch
     }
 }
 
@@ -497,6 +550,14 @@ pub struct Null;
 #[async_trait]
 impl Handler for Null {
     async fn handle(&self, _batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    fn takes_snapshots(&self) -> bool {
+        true
+    }
+
+    async fn snapshot(&self, _s: &Snapshot, _ctx: &BatchCtx) -> Result<(), HandlerError> {
         Ok(())
     }
 }

@@ -14,6 +14,7 @@
 
 pub mod cluster;
 pub mod faults;
+pub mod fold;
 pub mod http;
 pub mod pds;
 pub mod plc;

@@ -252,6 +252,11 @@ impl Memory {
         }
     }
 
+    /// The last rev (a TID value) handed over of `did`'s commits, as far as remembered.
+    pub(crate) fn last_commit(&self, lane: usize, did: &str) -> Option<u64> {
+        self.shard(lane).commits.last(did)
+    }
+
     /// Repos remembered (the chain check's gauge).
     pub(crate) fn repos(&self) -> usize {
         (0..self.shards.len()).map(|i| self.shard(i).commits.len()).sum()

@@ -79,6 +79,10 @@ impl Leader<'_, '_> {
             metrics::counter!(m::SWITCH_DUPLICATES).increment(1);
             return self.pass(seq);
         }
+        if !self.covered.is_empty() && self.is_covered(m) {
+            metrics::counter!(m::RESYNC_COVERED).increment(1);
+            return self.pass(seq);
+        }
         let emit = self.chain_check(seq, lane, m);
         // A filtered-out commit that reveals a break still goes out, to carry the break.
         // Under verification it goes to its lane hidden: the repo's chain needs every
@@ -149,6 +153,20 @@ impl Leader<'_, '_> {
         o.drops(memory, lane, Key::of(m))
     }
 
+    /// True when a snapshot handed over in this term covers `m` (a commit or `#sync` of
+    /// its repo at or below the snapshot's rev).
+    fn is_covered(&self, m: &Message<'_>) -> bool {
+        let (did, rev) = match m {
+            Message::Commit(c) => (c.repo, c.rev),
+            Message::Sync(s) => (s.did, s.rev),
+            _ => return false,
+        };
+        match (self.covered.get(did), crate::chain::tid(rev)) {
+            (Some(&at), Some(r)) => r <= at,
+            _ => false,
+        }
+    }
+
     /// Without verification, intake records what it hands over (every commit counts,
     /// whether the filter keeps it or not; with verification the lanes record what
     /// verified). Returns the break to carry on the event when breaks are emitted.
@@ -159,6 +177,10 @@ impl Leader<'_, '_> {
         let b = self.memory.as_ref()?.record(lane, Key::of(m))?;
         let policy = self.cx.shape.chain_breaks?;
         crate::chain::report(&b, seq, self.role.as_str());
+        if let Some(d) = self.cx.shape.desync.as_ref().filter(|d| d.resyncs()) {
+            // Kept by the store (in the lane) before the cursor passes this commit.
+            d.mark_repo(seq, &b.repo, crate::verify::Reason::Chain.as_str(), Some(&b.rev));
+        }
         (policy == ChainBreaks::Emit).then_some(b)
     }
 

@@ -26,6 +26,7 @@
 mod commit;
 mod drain;
 mod intake;
+mod resync;
 mod start;
 mod switch;
 
@@ -220,6 +221,10 @@ struct Leader<'a, 'c> {
     /// Intake waits: nothing was committed for `uncommitted_max` while there was
     /// something to commit (the store does not take commits).
     commit_stalled: bool,
+    /// The term's resync worker (repo sync on).
+    resync: Option<resync::ResyncRun>,
+    /// Repos whose snapshot this term handed over: their older events are dropped.
+    covered: resync::Covered,
 }
 
 impl Leader<'_, '_> {
@@ -261,6 +266,7 @@ impl Leader<'_, '_> {
                     Ok(()) => Ok(()),
                     Err(why) => self.lane_stopped(why).await,
                 },
+                Some(r) = resync::next_ready(&mut self.resync) => self.stage_snapshot(r).await,
                 item = self.sub.next(), if has_room => self.on_item(item).await,
             };
             match step {

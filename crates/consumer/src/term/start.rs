@@ -211,7 +211,10 @@ async fn start<'a, 'c>(cx: &'a Ctx<'c>, term: Term) -> Result<Leader<'a, 'c>, St
         quiet_ticks: 0,
         committed_since: (cursor, std::time::Instant::now()),
         commit_stalled: false,
+        resync: None,
+        covered: super::resync::Covered::new(),
     };
     l.begin(role, cursor);
+    l.resync = super::resync::start(cx, cx.batch_ctx(&l.term, role));
     Ok(l)
 }

@@ -1,0 +1,214 @@
+//! Repo sync in the leader: a desynchronised repo (its chain broke, a commit of it was
+//! invalid) is fetched whole from its PDS, verified, and handed to the handler as a
+//! [`Snapshot`] in the repo's lane, so that it lands after every event of the repo
+//! handed over before it and before every one after it.
+//!
+//! ```text
+//!  lane marks repo ─▶ desynchronized (kept by the store before the cursor passes the event)
+//!        ▲                 │ due
+//!        │ failed: backoff ▼
+//!        └──────────── resyncing ── fetch + verify (this worker, beside the lanes)
+//!                          │ ready
+//!                          ▼
+//!   term: stale? (a newer commit was handed over) ─ yes ─▶ desynchronized, at once
+//!                          │ no: staged in the repo's lane; later events at or below its
+//!                          │     rev are dropped (it covers them)
+//!                          ▼
+//!   lane: earlier writes durable, then the snapshot ─▶ synchronised (entry cleared)
+//! ```
+//!
+//! The queue is the desync list ([`Desync`]): each entry's state is written to the cursor
+//! store fenced by the term, so a new leader continues it (and queues again what an older
+//! term had in flight). A crash anywhere repeats the resync: at-least-once snapshots,
+//! never a lost one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use atproto_identity::resolver::{Resolver, ResolverConfig};
+use repo_sync::check::CheckError;
+use repo_sync::fetch::{FetchError, Limits};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::task::JoinSet;
+
+use crate::handler::{BatchCtx, CollectionFilter, Snapshot};
+use crate::metrics as m;
+use crate::pipeline::SnapshotDone;
+use crate::verify::{Desync, Outcome, keep, now_ms};
+
+/// Repo sync settings.
+#[derive(Debug, Clone)]
+pub struct ResyncOptions {
+    /// Resync desynchronised repos from their PDS (with a handler that takes snapshots).
+    pub enabled: bool,
+    /// Repos fetched at a time.
+    pub workers: usize,
+    /// The first retry of a failed resync waits this long, doubling to `retry_max`.
+    pub retry_first: Duration,
+    /// See `retry_first`.
+    pub retry_max: Duration,
+    /// Attempts before a repo is listed as `failed`.
+    pub attempts: u32,
+    /// The bounds of one fetch.
+    pub limits: Limits,
+}
+
+impl Default for ResyncOptions {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            workers: 4,
+            retry_first: Duration::from_mins(1),
+            retry_max: Duration::from_hours(1),
+            attempts: 10,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// What the lane answers when a snapshot is older than what was handed over.
+pub(crate) const STALE: &str = "stale: a newer commit of the repo was handed over";
+
+/// A verified snapshot for the term to stage in its repo's lane.
+pub(crate) struct Ready {
+    pub(crate) snapshot: Arc<Snapshot>,
+    pub(crate) done: SnapshotDone,
+}
+
+/// Fetches and verifies repos for the leader; lives as long as the process.
+pub(crate) struct Resyncer {
+    resolver: Resolver,
+    client: guarded_http::Client,
+    opts: ResyncOptions,
+    filter: Option<CollectionFilter>,
+}
+
+impl Resyncer {
+    /// A resyncer resolving DIDs with `resolver` (its `allow_private` also governs PDS
+    /// addresses).
+    pub(crate) fn new(
+        opts: ResyncOptions,
+        resolver: ResolverConfig,
+        filter: Option<CollectionFilter>,
+    ) -> Result<Self, crate::error::Error> {
+        let guard = guarded_http::Guard { allow_private: resolver.allow_private, max_redirects: 3 };
+        let client = guarded_http::Client::new(
+            guard,
+            reqwest::Client::builder().user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION"))),
+        )
+        .map_err(|e| crate::error::Error::Config(format!("repo sync: the HTTP client: {e}")))?;
+        let resolver = Resolver::new(resolver)
+            .map_err(|e| crate::error::Error::Config(format!("repo sync: the resolver: {e}")))?;
+        Ok(Self { resolver, client, opts, filter })
+    }
+
+    /// Works the queue for one term: takes due repos, fetches them, hands each snapshot
+    /// to the term on `ready`; ends with the term.
+    pub(crate) async fn run(
+        self: Arc<Self>,
+        desync: Arc<Desync>,
+        store: Arc<dyn checkpoint::CursorStore>,
+        ctx: BatchCtx,
+        ready: mpsc::Sender<Ready>,
+    ) {
+        let permits = Arc::new(Semaphore::new(self.opts.workers.max(1)));
+        let mut tasks = JoinSet::new();
+        loop {
+            while tasks.try_join_next().is_some() {}
+            let free = permits.available_permits();
+            for (did, reason) in desync.take_due(now_ms(), free) {
+                let Ok(permit) = permits.clone().acquire_owned().await else { return };
+                if keep(store.as_ref(), &desync, &did, &ctx).await.is_err() {
+                    return;
+                }
+                metrics::gauge!(m::RESYNC_IN_FLIGHT).increment(1.0);
+                let job = Job { r: self.clone(), desync: desync.clone(), store: store.clone(), ctx: ctx.clone() };
+                let ready = ready.clone();
+                tasks.spawn(async move {
+                    job.one(did, reason, ready).await;
+                    metrics::gauge!(m::RESYNC_IN_FLIGHT).decrement(1.0);
+                    drop(permit);
+                });
+            }
+            let wait = desync.next_due().map_or(1_000, |t| (t - now_ms()).clamp(10, 1_000));
+            tokio::select! {
+                () = ctx.cancel.cancelled() => return,
+                () = desync.queued.notified() => {}
+                () = tokio::time::sleep(Duration::from_millis(wait.unsigned_abs())) => {}
+                Some(_) = tasks.join_next() => {}
+            }
+        }
+    }
+}
+
+/// One repo's resync within a term.
+struct Job {
+    r: Arc<Resyncer>,
+    desync: Arc<Desync>,
+    store: Arc<dyn checkpoint::CursorStore>,
+    ctx: BatchCtx,
+}
+
+impl Job {
+    async fn one(self, did: String, reason: &'static str, ready: mpsc::Sender<Ready>) {
+        let started = std::time::Instant::now();
+        let now_us = now_ms().saturating_mul(1000);
+        let r = &self.r;
+        let outcome = match repo_sync::snapshot::fetch_snapshot(&r.resolver, &r.client, &did, &r.opts.limits, now_us)
+            .await
+        {
+            Ok(repo) => {
+                let (rev, bytes) = (repo.rev.clone(), repo.bytes);
+                let snapshot = Arc::new(Snapshot::new(repo, reason, r.filter.as_ref()));
+                let records = snapshot.repo().records.len();
+                let (done, answer) = oneshot::channel();
+                if ready.send(Ready { snapshot, done }).await.is_err() {
+                    // The term is over: the next one queues the repo again.
+                    return;
+                }
+                match answer.await {
+                    Ok(Ok(())) => {
+                        tracing::info!(repo = %did, rev, records, bytes, reason, ms = started.elapsed().as_millis() as u64, "repo resynchronised from its PDS");
+                        metrics::counter!(m::RESYNCS, "outcome" => "done", "reason" => reason).increment(1);
+                        metrics::counter!(m::RESYNC_RECORDS).increment(records as u64);
+                        metrics::counter!(m::RESYNC_BYTES).increment(bytes);
+                        Outcome::Done
+                    }
+                    Ok(Err(why)) if why == STALE => {
+                        tracing::info!(repo = %did, rev, "the snapshot is older than a commit already handed over: fetching again");
+                        metrics::counter!(m::RESYNCS, "outcome" => "stale", "reason" => reason).increment(1);
+                        Outcome::Later(now_ms())
+                    }
+                    Ok(Err(why)) => {
+                        tracing::warn!(repo = %did, error = %why, "the repo's snapshot was not delivered; retrying later");
+                        metrics::counter!(m::RESYNCS, "outcome" => "undelivered", "reason" => reason).increment(1);
+                        Outcome::Failed
+                    }
+                    Err(_) => return,
+                }
+            }
+            Err(e) => {
+                let (outcome, label) = classify(&e);
+                tracing::warn!(repo = %did, error = %e, outcome = label, "resync failed");
+                metrics::counter!(m::RESYNCS, "outcome" => label, "reason" => reason).increment(1);
+                outcome
+            }
+        };
+        self.desync.finish(&did, outcome);
+        let _ = keep(self.store.as_ref(), &self.desync, &did, &self.ctx).await;
+    }
+}
+
+/// What a failed fetch means for the queue, and its metric label.
+fn classify(e: &CheckError) -> (Outcome, &'static str) {
+    match e {
+        CheckError::Fetch(FetchError::Gone(_)) => (Outcome::Gone, "gone"),
+        CheckError::Fetch(FetchError::RateLimited(rl)) => {
+            let wait = rl.wait.unwrap_or(Duration::from_mins(1));
+            let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX / 4);
+            (Outcome::Later(now_ms().saturating_add(ms)), "rate_limited")
+        }
+        CheckError::Verify(_) => (Outcome::Failed, "invalid"),
+        _ => (Outcome::Failed, "failed"),
+    }
+}
