@@ -32,6 +32,7 @@ bench: deps
 	$(CARGO) bench -p consumer --bench chain
 	$(CARGO) bench -p atproto-crypto --bench verify
 	$(CARGO) bench -p atproto-repo --bench check
+	$(CARGO) bench -p repo-sync --bench snapshot
 	$(CARGO) bench -p firekeeper --bench cluster
 
 chaos: deps

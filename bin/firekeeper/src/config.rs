@@ -78,6 +78,8 @@ pub struct Config {
     pub log_json: bool,
     /// Take over even when the deployment's settings record differs.
     pub allow_settings_change: bool,
+    /// The Postgres sink keeps `firekeeper_records` (`FIREKEEPER_POSTGRES_RECORDS`).
+    pub postgres_records: bool,
 }
 
 /// Every problem, one line each, naming the variable.
@@ -330,6 +332,7 @@ impl TryFrom<Raw> for Config {
             instance_id: r.instance_id,
             log_json: r.log == LogFormat::Json,
             allow_settings_change: r.allow_settings_change,
+            postgres_records: r.postgres_records,
         })
     }
 }

@@ -178,6 +178,7 @@ pub struct Raw {
     pub instance_id: Option<String>,
     pub log: LogFormat,
     pub allow_settings_change: bool,
+    pub postgres_records: bool,
 }
 
 impl Default for Raw {
@@ -214,6 +215,7 @@ impl Default for Raw {
             instance_id: None,
             log: LogFormat::Json,
             allow_settings_change: false,
+            postgres_records: false,
         }
     }
 }
@@ -376,6 +378,7 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_NATS_DUPLICATE_WINDOW_MS", jetstream.duplicate_window, "how long the server remembers `Nats-Msg-Id` (`<relay fingerprint>:<seq>:<event key>`) to drop events a new leader publishes again: keep it well above the lease ttl"),
     setting!("FIREKEEPER_JSONL_PATH", Kind::Text, |r, v| r.jsonl_path = v.into(), shown "`-` (stdout)", "file the `jsonl` sink appends to"),
     text!("FIREKEEPER_WEBHOOK_URL", Kind::Secret, webhook_url, "none", "`http(s)://` target of the `webhook` sink (never logged)"),
+    choice!("FIREKEEPER_POSTGRES_RECORDS", bool, postgres_records, "with the postgres sink: keep the table `firekeeper_records` (did, collection, rkey, cid, rev, record) equal to every repo's verified state: live creates and updates upsert, deletes delete, a repo sync snapshot replaces the repo's rows, each in the transaction of the cursor write it goes with"),
     count!("FIREKEEPER_WEBHOOK_BATCH", 10_000, webhook_batch, "events per POST (`application/x-ndjson`)"),
     millis!("FIREKEEPER_WEBHOOK_TIMEOUT_MS", webhook_timeout, "per-request timeout; failures retry with backoff, the cursor moves only after 2xx"),
     setting!("FIREKEEPER_COLLECTIONS", Kind::Text, |r, v| r.options.collections = collections(v)?, shown "all", "comma-separated NSIDs or `prefix.*` (e.g. `app.bsky.feed.*`); filters commit ops"),

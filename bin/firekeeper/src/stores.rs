@@ -97,7 +97,8 @@ pub async fn open_sink(cfg: &Config) -> Result<Arc<dyn Handler>> {
         SinkKind::Jsonl(path) if path == "-" => Arc::new(sinks::Jsonl::stdout()),
         SinkKind::Jsonl(path) => Arc::new(sinks::Jsonl::open(path).await.context("FIREKEEPER_JSONL_PATH")?),
         SinkKind::Postgres => {
-            Arc::new(sinks::Postgres::connect(cfg.database_url.as_deref().context("DATABASE_URL")?).await?)
+            let pg = sinks::Postgres::connect(cfg.database_url.as_deref().context("DATABASE_URL")?).await?;
+            Arc::new(pg.with_records(cfg.postgres_records))
         }
         SinkKind::Webhook { url, batch, timeout } => Arc::new(sinks::Webhook::new(url, *batch, *timeout)?),
         SinkKind::Nats(js) => {

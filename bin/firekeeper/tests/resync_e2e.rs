@@ -24,8 +24,16 @@ fn every_repo() -> HashMap<String, String> {
     testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_reference() {
+/// Where the run's output goes.
+enum Sink {
+    Jsonl,
+    Postgres(testkit::PgServer),
+}
+
+/// Runs the binary over the chain-break capture until the stream is committed and no
+/// repo is left desynchronised; returns the jsonl output (empty for Postgres), the
+/// metrics at the end and the log.
+async fn run(sink: &Sink, dir: &std::path::Path) -> (String, String, String) {
     let base = testkit::pds::start(every_repo()).await;
     let plc = Plc::start(testkit::pds::docs(&base)).await;
     let relay = relay_sim::RelaySim::start_with(
@@ -35,30 +43,55 @@ async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_referenc
     )
     .await
     .expect("sim");
-    let dir = tmpdir("resync-e2e");
-    let mut env = base_env(&relay.url(), &dir);
+    let mut env = base_env(&relay.url(), dir);
     let addr = format!("127.0.0.1:{}", free_port());
     let out = dir.join("out.jsonl");
     env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
-    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
     env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
     env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    match sink {
+        Sink::Jsonl => {
+            env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+        }
+        Sink::Postgres(pg) => {
+            env.insert("FIREKEEPER_SINK".into(), "postgres".into());
+            env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
+            env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
+            env.insert("DATABASE_URL".into(), pg.url());
+        }
+    }
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
     eventually("the stream committed and both repos resynchronised", WAIT, async || {
         let Some((200, body)) = http_get(&addr, "/status").await else { return false };
         let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
-        v["committed"] == 508 && v["desynchronized"] == 0 && text.matches("\"#resync\"").count() >= 2
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["committed"] == 508
+            && v["desynchronized"] == 0
+            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"chain\"} 2\n")
     })
     .await;
     let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
     assert!(sigterm_and_wait(child).success());
     let log = std::fs::read_to_string(dir.join("c.log")).expect("log");
-    assert!(log.contains("repo resynchronised from its PDS"), "{log}");
-    assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"chain\"} 2\n"), "{metrics}");
+    (std::fs::read_to_string(&out).unwrap_or_default(), metrics, log)
+}
 
-    let text = std::fs::read_to_string(&out).expect("output");
+/// Every repo's records equal the reference set.
+fn assert_reference(folded: &testkit::fold::Folded) {
+    for (did, (count, digest)) in testkit::fold::reference() {
+        let got = folded.get(&did).cloned().unwrap_or_default();
+        assert_eq!(got.len() as u64, count, "{did}: record count");
+        assert_eq!(testkit::fold::digest(&got), digest, "{did}: records");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_reference() {
+    let dir = tmpdir("resync-e2e");
+    let (text, metrics, log) = run(&Sink::Jsonl, &dir).await;
+    assert!(log.contains("repo resynchronised from its PDS"), "{log}");
+    assert!(metrics.contains("firekeeper_resync_records_total 20033\n"), "{metrics}");
     let resyncs: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON"))
@@ -71,10 +104,106 @@ async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_referenc
         assert!(r["seq"].is_null(), "{r}");
         assert_eq!(r["event"]["reason"], "chain");
     }
-    let folded = testkit::fold::jsonl(&text);
-    for (did, (count, digest)) in testkit::fold::reference() {
-        let got = folded.get(&did).cloned().unwrap_or_default();
-        assert_eq!(got.len() as u64, count, "{did}: record count");
-        assert_eq!(testkit::fold::digest(&got), digest, "{did}: records");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
+/// The same through the Postgres sink with its records mirror: the `firekeeper_records`
+/// table equals the reference record set of every repo.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_records_table_equals_the_reference_after_a_chain_break() {
+    let dir = tmpdir("resync-pg");
+    let pg = testkit::PgServer::start();
+    let url = pg.url();
+    let sink = Sink::Postgres(pg);
+    let _ = run(&sink, &dir).await;
+    let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    let rows =
+        c.query("SELECT did, collection || '/' || rkey, cid FROM firekeeper_records", &[]).await.expect("records");
+    let mut folded = testkit::fold::Folded::new();
+    for r in rows {
+        folded.entry(r.get::<_, String>(0)).or_default().insert(r.get(1), r.get(2));
     }
+    assert_reference(&folded);
+    let resyncs: i64 = c
+        .query_one("SELECT count(*) FROM firekeeper_events WHERE seq IS NULL AND kind = '#resync'", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(resyncs, 2);
+}
+
+/// The leader lost (killed, or frozen past its ttl) while the large repo's download is in
+/// flight: the next leader fetches it again and finishes; the woken one writes nothing;
+/// the fold equals the reference and the repo's snapshot is in the output once.
+async fn a_leader_lost_during_a_resync(freeze: bool) {
+    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
+    let base = testkit::pds::start_slow(every_repo(), slow).await;
+    let plc = Plc::start(testkit::pds::docs(&base)).await;
+    let relay = relay_sim::RelaySim::start_with(
+        resync_frames(),
+        relay_sim::SimConfig::default(),
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let dir = tmpdir(if freeze { "resync-freeze" } else { "resync-kill" });
+    // A shared lease (a lock file would stay held by the frozen process).
+    let redis = testkit::RedisServer::start();
+    let mut env = base_env(&relay.url(), &dir);
+    env.insert("REDIS_URL".into(), redis.url());
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
+    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let (addr_a, addr_b) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let mut env_a = env.clone();
+    env_a.insert("FIREKEEPER_HTTP_ADDR".into(), addr_a.clone());
+    let mut a = firekeeper(&env_a, &[], &dir.join("a.log"));
+    eventually("the large repo's download in flight", WAIT, async || {
+        let Some((200, body)) = http_get(&addr_a, "/repos/invalid").await else { return false };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["repos"].as_array().into_iter().flatten().any(|d| d["repo"] == RLARGE && d["state"] == "resyncing")
+    })
+    .await;
+    if freeze {
+        testkit::sigstop(a.id());
+    } else {
+        a.kill().expect("kill");
+        let _ = a.wait();
+    }
+    let mut env_b = env.clone();
+    env_b.insert("FIREKEEPER_HTTP_ADDR".into(), addr_b.clone());
+    let b = firekeeper(&env_b, &[], &dir.join("b.log"));
+    eventually("the next leader finished the resync", WAIT, async || {
+        let Some((200, body)) = http_get(&addr_b, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        v["role"] == "leader" && v["committed"] == 508 && v["desynchronized"] == 0
+    })
+    .await;
+    if freeze {
+        // The frozen leader wakes with its download answered: its term is over.
+        assert!(
+            std::process::Command::new("kill").args(["-CONT", &a.id().to_string()]).status().expect("kill").success()
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    }
+    let _ = a.kill();
+    let _ = a.wait();
+    assert!(sigterm_and_wait(b).success());
+    let text = std::fs::read_to_string(&out).expect("output");
+    let large = text.lines().filter(|l| l.contains("\"#resync\"") && l.contains(RLARGE)).count();
+    assert_eq!(large, 1, "the large repo's snapshot is written once (by the next leader)");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_killed_during_a_resync_is_finished_by_the_next() {
+    a_leader_lost_during_a_resync(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_frozen_during_a_resync_writes_nothing_when_it_wakes() {
+    a_leader_lost_during_a_resync(true).await;
 }

@@ -241,6 +241,16 @@ impl PostgresStore {
         }
         Ok(CommitOutcome::Saved)
     }
+
+    /// The fence alone, inside the caller's transaction (a write that moves no cursor, a
+    /// repo snapshot): `Fenced` when a newer term wrote (the caller must roll back), else
+    /// `Saved` with the fence row locked until the transaction ends.
+    pub async fn fence_in(tx: &impl GenericClient, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
+        Ok(match raise_fence(tx, fence.token).await? {
+            Some(current) => CommitOutcome::Fenced { current: Some(current) },
+            None => CommitOutcome::Saved,
+        })
+    }
 }
 
 /// Locks the fence row; raises it to `token`, or returns the higher current token.

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use consumer::{BatchCtx, Builder, Event, Handler, HandlerError, StatusHandle, async_trait};
+use consumer::{BatchCtx, Builder, Event, Handler, HandlerError, Snapshot, StatusHandle, async_trait};
 use relay_client::{Message, RelayUrl};
 
 /// Record operations per collection, and how many events of each kind were seen.
@@ -44,6 +44,19 @@ impl Handler for Counts {
                 }
             }
         }
+        Ok(())
+    }
+
+    fn takes_snapshots(&self) -> bool {
+        true
+    }
+
+    /// A repo fetched whole after its chain broke (fold semantics: it replaces what was
+    /// known of the repo): counted as one `#resync` and its `#record`s.
+    async fn snapshot(&self, s: &Snapshot, _ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let mut kinds = self.kinds.lock().map_err(|_| HandlerError::failed("counting", "a lock was poisoned"))?;
+        *kinds.entry("#resync").or_default() += 1;
+        *kinds.entry("#record").or_default() += s.repo().records.len() as u64;
         Ok(())
     }
 }

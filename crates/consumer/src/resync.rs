@@ -36,6 +36,20 @@ use crate::metrics as m;
 use crate::pipeline::SnapshotDone;
 use crate::verify::{Desync, Outcome, keep, now_ms};
 
+/// Why a repo is resynchronised, besides the verifier's reasons (`signature`, `chain`, …).
+pub mod reason {
+    /// A `#sync` named another state than the last commit handed over.
+    pub const SYNC: &str = "sync";
+    /// The account turned active again.
+    pub const REACTIVATED: &str = "reactivated";
+    /// A `#identity` of a repo its PDS had said was gone.
+    pub const IDENTITY: &str = "identity";
+    /// An operator asked.
+    pub const OPERATOR: &str = "operator";
+    /// Every reason of this module.
+    pub const ALL: [&str; 4] = [SYNC, REACTIVATED, IDENTITY, OPERATOR];
+}
+
 /// Repo sync settings.
 #[derive(Debug, Clone)]
 pub struct ResyncOptions {
@@ -65,6 +79,8 @@ impl Default for ResyncOptions {
         }
     }
 }
+
+pub use repo_sync::snapshot::{RepoRecord, RepoSnapshot};
 
 /// What the lane answers when a snapshot is older than what was handed over.
 pub(crate) const STALE: &str = "stale: a newer commit of the repo was handed over";
@@ -159,6 +175,7 @@ impl Job {
         {
             Ok(repo) => {
                 let (rev, bytes) = (repo.rev.clone(), repo.bytes);
+                let rev_tid = crate::chain::tid(&rev);
                 let snapshot = Arc::new(Snapshot::new(repo, reason, r.filter.as_ref()));
                 let records = snapshot.repo().records.len();
                 let (done, answer) = oneshot::channel();
@@ -172,7 +189,7 @@ impl Job {
                         metrics::counter!(m::RESYNCS, "outcome" => "done", "reason" => reason).increment(1);
                         metrics::counter!(m::RESYNC_RECORDS).increment(records as u64);
                         metrics::counter!(m::RESYNC_BYTES).increment(bytes);
-                        Outcome::Done
+                        Outcome::Done(rev_tid)
                     }
                     Ok(Err(why)) if why == STALE => {
                         tracing::info!(repo = %did, rev, "the snapshot is older than a commit already handed over: fetching again");

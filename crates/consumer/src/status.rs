@@ -81,9 +81,11 @@ pub struct Status {
     /// back to the committed position): which relay and what is missing. Not ready
     /// while set.
     pub refused_switch: Option<String>,
-    /// Repos marked desynchronised by an invalid event (list them with
-    /// [`StatusHandle::desynchronized`]).
+    /// Repos marked desynchronised (an invalid event, a broken chain; list them with
+    /// [`StatusHandle::desynchronized`]): the resync queue, every state.
     pub desynchronized: usize,
+    /// The resync queue by state: `desynchronized` (queued), `resyncing`, `gone`, `failed`.
+    pub resync: std::collections::BTreeMap<&'static str, usize>,
     /// The sink's writes are failing (and retried): not ready while set.
     pub sink_failing: Option<SinkFailing>,
     /// The cursor store has taken no commit for `uncommitted_max`: intake waits, not ready.
@@ -159,6 +161,7 @@ impl StatusHandle {
     pub fn snapshot(&self) -> Status {
         let mut s = self.0.status.borrow().clone();
         s.desynchronized = self.0.desync.len();
+        s.resync = self.0.desync.by_state().into_iter().collect();
         s.lease_store_error = self.lease_trouble();
         let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
         if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {

@@ -138,9 +138,41 @@ pub struct Desynced {
     pub attempts: u32,
     /// When the next resync may start (Unix ms).
     pub due: i64,
-    /// Marked again while its resync was in flight: queued again once it lands.
+    /// Marked again while its resync was in flight: queued again once it lands, unless
+    /// its snapshot is at least as new as every such mark's rev.
     #[serde(skip)]
-    again: bool,
+    again: Again,
+}
+
+/// Marks of a repo while its resync was in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Again {
+    /// None.
+    #[default]
+    No,
+    /// Each named a rev; the newest (a TID value).
+    Upto(u64),
+    /// At least one named no rev (an invalid event without one, a reactivation).
+    Always,
+}
+
+impl Again {
+    fn add(self, rev: Option<&str>) -> Self {
+        match (self, rev.and_then(crate::chain::tid)) {
+            (Self::Always, _) | (_, None) => Self::Always,
+            (Self::No, Some(r)) => Self::Upto(r),
+            (Self::Upto(a), Some(r)) => Self::Upto(a.max(r)),
+        }
+    }
+
+    /// True when a snapshot at `rev` does not cover the marks.
+    fn needs_more(self, rev: Option<u64>) -> bool {
+        match self {
+            Self::No => false,
+            Self::Always => true,
+            Self::Upto(a) => rev.is_none_or(|r| a > r),
+        }
+    }
 }
 
 /// The states of a desynchronised repo (see [`Desynced::state`]).
@@ -200,8 +232,9 @@ impl Change {
 /// How a resync ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {
-    /// The snapshot landed: synchronised (unless marked again meanwhile).
-    Done,
+    /// The snapshot (at this rev, a TID value) landed: synchronised, unless marked
+    /// meanwhile by an event newer than it.
+    Done(Option<u64>),
     /// Try again at this time (Unix ms) without counting an attempt (a rate limit, a
     /// snapshot older than what was delivered, the term ended).
     Later(i64),
@@ -247,7 +280,7 @@ impl Desync {
             d.reason = reason;
             d.rev = rev.map(str::to_owned);
             match d.state {
-                state::RESYNCING => d.again = true,
+                state::RESYNCING => d.again = d.again.add(rev),
                 state::GONE => {
                     // An event of it: it is back.
                     d.state = state::QUEUED;
@@ -266,7 +299,7 @@ impl Desync {
                 state: state::QUEUED,
                 attempts: 0,
                 due: now,
-                again: false,
+                again: Again::No,
             };
             r.insert(repo.to_owned(), d);
         } else {
@@ -305,6 +338,11 @@ impl Desync {
         *self.retry.lock().expect("retry") = (ms(first), ms(cap), attempts.max(1));
     }
 
+    /// True when `repo`'s PDS said it is gone.
+    pub(crate) fn is_gone(&self, repo: &str) -> bool {
+        !self.is_empty() && self.repos.lock().is_ok_and(|r| r.get(repo).is_some_and(|d| d.state == state::GONE))
+    }
+
     /// True when repo sync runs (entries are a resync queue).
     pub(crate) fn resyncs(&self) -> bool {
         self.resync.load(Ordering::Relaxed)
@@ -321,7 +359,7 @@ impl Desync {
             .take(n)
             .map(|d| {
                 d.state = state::RESYNCING;
-                d.again = false;
+                d.again = Again::No;
                 (d.repo.clone(), d.reason)
             })
             .collect();
@@ -346,19 +384,19 @@ impl Desync {
         let Some(d) = r.get_mut(repo) else { return };
         let again = std::mem::take(&mut d.again);
         match outcome {
-            Outcome::Done if !again => {
+            Outcome::Done(rev) if !again.needs_more(rev) => {
                 drop(r);
                 self.remove(repo);
                 return;
             }
-            Outcome::Done => {
+            Outcome::Done(_) => {
                 d.state = state::QUEUED;
                 d.attempts = 0;
                 d.due = now;
             }
             Outcome::Later(at) => {
                 d.state = state::QUEUED;
-                d.due = if again { now } else { at };
+                d.due = if again == Again::No { at } else { now };
             }
             Outcome::Failed => {
                 d.attempts += 1;
@@ -423,7 +461,12 @@ impl Desync {
                 tracing::warn!(repo, "a kept repo state does not read; skipped");
                 continue;
             };
-            let reason = Reason::ALL.iter().find(|r| r.as_str() == k.reason).map_or("unknown", |r| r.as_str());
+            let reason = Reason::ALL
+                .iter()
+                .map(|r| r.as_str())
+                .chain(crate::resync::reason::ALL)
+                .find(|r| *r == k.reason)
+                .unwrap_or("unknown");
             let kept_state = k.state.as_deref().unwrap_or(state::QUEUED);
             let st = match state::ALL.iter().find(|s| **s == kept_state) {
                 Some(&state::RESYNCING) | None => state::QUEUED,
@@ -438,7 +481,7 @@ impl Desync {
                 state: st,
                 attempts: k.attempts,
                 due: k.due,
-                again: false,
+                again: Again::No,
             };
             r.insert(repo.clone(), d);
         }
@@ -834,3 +877,112 @@ const HOLD_AGAIN: Duration = Duration::from_secs(30);
 
 /// DIDs tracked at most while held (beyond it, old expired holds are forgotten).
 const HOLDS_MAX: usize = 100_000;
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{Desync, Outcome, now_ms, state};
+
+    fn queue() -> Desync {
+        let d = Desync::default();
+        d.set_resync(Duration::from_mins(1), Duration::from_hours(1), 3);
+        d
+    }
+
+    fn state_of(d: &Desync, repo: &str) -> Option<&'static str> {
+        d.list().into_iter().find(|x| x.repo == repo).map(|x| x.state)
+    }
+
+    #[test]
+    fn a_marked_repo_is_due_at_once_and_taken_once() {
+        let d = queue();
+        d.mark_repo(7, "did:plc:a", "chain", Some("3k"));
+        let now = now_ms();
+        assert_eq!(d.take_due(now, 4), vec![("did:plc:a".to_owned(), "chain")]);
+        assert_eq!(state_of(&d, "did:plc:a"), Some(state::RESYNCING));
+        assert!(d.take_due(now, 4).is_empty(), "a resync in flight is not taken again");
+        d.finish("did:plc:a", Outcome::Done(crate::chain::tid("3jzfcijpj2z2a")));
+        assert!(d.is_empty(), "synchronised: no entry");
+    }
+
+    #[test]
+    fn a_mark_while_in_flight_queues_the_repo_again_after_it_lands() {
+        let d = queue();
+        d.mark_repo(1, "did:plc:a", "chain", None);
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1);
+        d.mark_repo(2, "did:plc:a", "signature", None);
+        assert_eq!(state_of(&d, "did:plc:a"), Some(state::RESYNCING), "the one in flight goes on");
+        d.finish("did:plc:a", Outcome::Done(crate::chain::tid("3jzfcijpj2z2z")));
+        assert_eq!(state_of(&d, "did:plc:a"), Some(state::QUEUED), "queued again, not cleared");
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1, "due at once");
+    }
+
+    /// A mark while the download is in flight names a rev: a snapshot at or past it
+    /// covers it (a new leader replaying the break it queued the repo for, say).
+    #[test]
+    fn a_mark_the_snapshot_covers_does_not_repeat_the_resync() {
+        let tid = crate::chain::tid;
+        let d = queue();
+        d.mark_repo(1, "did:plc:a", "chain", Some("3jzfcijpj2z2c"));
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1);
+        d.mark_repo(2, "did:plc:a", "chain", Some("3jzfcijpj2z2e"));
+        d.finish("did:plc:a", Outcome::Done(tid("3jzfcijpj2z2e")));
+        assert!(d.is_empty(), "covered by the snapshot");
+        d.mark_repo(3, "did:plc:b", "chain", Some("3jzfcijpj2z2c"));
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1);
+        d.mark_repo(4, "did:plc:b", "chain", Some("3jzfcijpj2z2g"));
+        d.finish("did:plc:b", Outcome::Done(tid("3jzfcijpj2z2e")));
+        assert_eq!(state_of(&d, "did:plc:b"), Some(state::QUEUED), "newer than the snapshot: again");
+    }
+
+    #[test]
+    fn failures_back_off_and_the_last_attempt_lists_the_repo_as_failed() {
+        let d = queue();
+        d.mark_repo(1, "did:plc:a", "chain", None);
+        let mut dues = Vec::new();
+        for _ in 0..2 {
+            assert_eq!(d.take_due(i64::MAX, 1).len(), 1);
+            let before = now_ms();
+            d.finish("did:plc:a", Outcome::Failed);
+            let due = d.list()[0].due;
+            assert!(due >= before + 60_000, "at least the first delay");
+            dues.push(due - before);
+        }
+        assert!(dues[1] >= 2 * 60_000 && dues[1] <= 2 * 75_000 + 1_000, "doubled, jittered: {dues:?}");
+        assert!(d.take_due(now_ms(), 1).is_empty(), "not due before its time");
+        assert_eq!(d.take_due(i64::MAX, 1).len(), 1);
+        d.finish("did:plc:a", Outcome::Failed);
+        assert_eq!(state_of(&d, "did:plc:a"), Some(state::FAILED));
+        assert!(d.take_due(i64::MAX, 1).is_empty(), "a failed repo waits for an operator or an event");
+    }
+
+    #[test]
+    fn a_gone_repo_waits_for_an_event_of_it() {
+        let d = queue();
+        d.mark_repo(1, "did:plc:a", "chain", None);
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1);
+        d.finish("did:plc:a", Outcome::Gone);
+        assert!(d.is_gone("did:plc:a"));
+        assert!(d.take_due(i64::MAX, 1).is_empty());
+        d.mark_repo(9, "did:plc:a", "reactivated", None);
+        assert_eq!(d.take_due(now_ms(), 1), vec![("did:plc:a".to_owned(), "reactivated")]);
+    }
+
+    #[test]
+    fn a_new_term_queues_again_what_an_older_one_had_in_flight() {
+        let d = queue();
+        d.mark_repo(1, "did:plc:a", "chain", Some("3k"));
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1);
+        let Some(super::Change::Kept(v)) = d.take_change("did:plc:a") else { panic!("a change") };
+        assert!(v.contains("\"state\":\"resyncing\""), "{v}");
+        let next = queue();
+        next.load(&[
+            ("did:plc:a".to_owned(), v),
+            ("did:plc:b".to_owned(), r#"{"reason":"cid","seq":3,"rev":null,"since":5}"#.to_owned()),
+        ]);
+        assert_eq!(state_of(&next, "did:plc:a"), Some(state::QUEUED));
+        assert_eq!(state_of(&next, "did:plc:b"), Some(state::QUEUED), "an entry of an older version reads as queued");
+        assert_eq!(next.take_due(now_ms(), 4).len(), 2);
+    }
+}

@@ -34,7 +34,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use atproto_data::Message;
 use bytes::Bytes;
-use consumer::{BatchCtx, Event, Handler, HandlerError};
+use consumer::{BatchCtx, Event, Handler, HandlerError, Snapshot};
 use nats_op::async_nats::jetstream::context::PublishAckFuture;
 use nats_op::async_nats::jetstream::{self, stream};
 use nats_op::async_nats::{HeaderMap, header};
@@ -345,6 +345,62 @@ impl Handler for JetStream {
     /// sets how often the lane looks up from its queue.
     fn max_batch(&self) -> usize {
         1024
+    }
+
+    fn takes_snapshots(&self) -> bool {
+        true
+    }
+
+    /// The snapshot's events on `<prefix>.events.resync` (or the repo's partition), in
+    /// order, with ids `<fingerprint>:resync:<did>:<rev>:<n>` (a repeated snapshot of the
+    /// same rev within the duplicate window is stored once); done when every publish is
+    /// acknowledged.
+    async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let subject = if self.cfg.partitions > 0 {
+            format!("{}.events.p{}", self.cfg.subject_prefix, did_hash(s.did()) % u64::from(self.cfg.partitions))
+        } else {
+            format!("{}.events.resync", self.cfg.subject_prefix)
+        };
+        let timeout = self.cfg.publish_timeout;
+        let mut acks = Vec::new();
+        for i in 0..s.events() {
+            ctx.ensure_active()?;
+            let mut body = String::new();
+            s.write_event_json(i, &mut body);
+            let id = format!("{}:resync:{}:{}:{i}", ctx.fingerprint, s.did(), s.rev());
+            let mut h = HeaderMap::new();
+            h.insert(header::NATS_MESSAGE_ID, id.as_str());
+            h.insert("Firekeeper-Relay", ctx.relay.as_str());
+            h.insert("Firekeeper-Token", ctx.token.to_string().as_str());
+            let publish = self.publisher.publish_with_headers(subject.clone(), h, body.into());
+            let ack = match tokio::time::timeout(timeout, publish).await {
+                Ok(Ok(ack)) => ack,
+                Ok(Err(err)) => return Err(settle(&self.nats, &self.stream, publish_failure("publish", &err)).await),
+                Err(_) => {
+                    return Err(HandlerError::failed("jetstream", format!("a publish not sent within {timeout:?}")));
+                }
+            };
+            acks.push(ack);
+            if acks.len() >= self.cfg.max_pending.max(1) {
+                self.snapshot_acked(std::mem::take(&mut acks)).await?;
+            }
+        }
+        self.snapshot_acked(acks).await
+    }
+}
+
+impl JetStream {
+    /// Waits for a snapshot's acknowledgements.
+    async fn snapshot_acked(&self, acks: Vec<PublishAckFuture>) -> Result<(), HandlerError> {
+        let timeout = self.cfg.publish_timeout;
+        match tokio::time::timeout(timeout, acknowledged(acks)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(f)) => Err(settle(&self.nats, &self.stream, f).await),
+            Err(_) => Err(HandlerError::failed(
+                "jetstream",
+                format!("snapshot publishes not acknowledged within {timeout:?}"),
+            )),
+        }
     }
 }
 

@@ -366,6 +366,8 @@ impl Webhook {
 /// character) is kept as its JSON text in `body_text`.
 pub struct Postgres {
     conn: checkpoint::postgres_store::PgConn,
+    /// Keep `firekeeper_records` equal to every repo's verified state.
+    records: bool,
 }
 
 /// Failed writes in a row after which the Postgres sink gives up the term: with the
@@ -374,8 +376,18 @@ pub const PG_GIVE_UP: u32 = 8;
 
 /// The schema the Postgres sink needs, its cursor's included.
 fn pg_schema() -> String {
-    [checkpoint::postgres_store::MIGRATION, EVENTS_MIGRATION, CHAIN_BREAKS_MIGRATION, EVENT_KEYS_MIGRATION].concat()
+    [
+        checkpoint::postgres_store::MIGRATION,
+        EVENTS_MIGRATION,
+        CHAIN_BREAKS_MIGRATION,
+        EVENT_KEYS_MIGRATION,
+        RECORDS_MIGRATION,
+    ]
+    .concat()
 }
+
+/// Snapshot rows (seq NULL) and the records mirror.
+pub const RECORDS_MIGRATION: &str = include_str!("../../../migrations/0007_records.sql");
 
 /// Rows named by event, bodies Postgres cannot keep as jsonb kept as text.
 pub const EVENT_KEYS_MIGRATION: &str = include_str!("../../../migrations/0006_event_keys.sql");
@@ -386,7 +398,15 @@ impl Postgres {
         let conn = checkpoint::postgres_store::PgConn::connect(url, Duration::from_secs(10), &pg_schema())
             .await
             .map_err(|e| OpenError::Store { what: "connecting to DATABASE_URL", source: e })?;
-        Ok(Self { conn })
+        Ok(Self { conn, records: false })
+    }
+
+    /// Keeps `firekeeper_records` equal to every repo's verified state
+    /// (`FIREKEEPER_POSTGRES_RECORDS`).
+    #[must_use]
+    pub fn with_records(mut self, records: bool) -> Self {
+        self.records = records;
+        self
     }
 
     /// How many times the connection was made again.
@@ -400,7 +420,18 @@ impl Postgres {
 impl Handler for Postgres {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
         let mut c = self.conn.client().await.map_err(|e| HandlerError::failed("postgres connection", e))?;
-        pg_write(&mut c, batch, ctx).await
+        pg_write(&mut c, batch, ctx, self.records).await
+    }
+
+    fn takes_snapshots(&self) -> bool {
+        true
+    }
+
+    /// The snapshot's events (seq NULL) and, with the records mirror, the repo's rows
+    /// replaced: one transaction, fenced by the term.
+    async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
+        let mut c = self.conn.client().await.map_err(|e| HandlerError::failed("postgres connection", e))?;
+        pg_snapshot(&mut c, s, ctx, self.records).await
     }
 
     fn wants_json(&self) -> bool {
@@ -467,7 +498,12 @@ async fn insert_events(
     .await
 }
 
-async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
+async fn pg_write(
+    c: &mut tokio_postgres::Client,
+    batch: &[Event],
+    ctx: &BatchCtx,
+    records: bool,
+) -> Result<(), HandlerError> {
     let pg = |e: tokio_postgres::Error| HandlerError::failed("postgres", e);
     let Some(last) = batch.last() else { return Ok(()) };
     let mut tx = c.transaction().await.map_err(pg)?;
@@ -495,6 +531,9 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
             };
         }
         Err(e) => return Err(pg(e)),
+    }
+    if records {
+        mirror_commits(&tx, batch, &rows).await.map_err(pg)?;
     }
     let token = i64::try_from(ctx.token).unwrap_or(i64::MAX);
     let breaks: Vec<(usize, &consumer::ChainBreak)> =
@@ -542,6 +581,162 @@ async fn pg_write(c: &mut tokio_postgres::Client, batch: &[Event], ctx: &BatchCt
         },
         Err(e) => Err(HandlerError::failed("postgres cursor", e)),
     }
+}
+
+/// One record's row for the mirror: collection, rkey, cid, rev, body.
+type RecordRow = (String, String, String, String, String);
+
+/// Applies the batch's commits to `firekeeper_records`: the last op of each record in the
+/// batch wins (a create then a delete of it leaves no row).
+async fn mirror_commits(
+    tx: &impl tokio_postgres::GenericClient,
+    batch: &[Event],
+    rows: &Rows<'_>,
+) -> Result<(), tokio_postgres::Error> {
+    use std::collections::HashMap;
+    let mut last: HashMap<(String, String), Option<RecordRow>> = HashMap::new();
+    for (i, e) in batch.iter().enumerate() {
+        if e.invalid().is_some() || !matches!(e.message(), Message::Commit(_)) {
+            continue;
+        }
+        let Some(body) = rows.json[i].or(rows.text[i]) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else { continue };
+        let (Some(repo), Some(rev)) = (v["repo"].as_str(), v["rev"].as_str()) else { continue };
+        for op in v["ops"].as_array().into_iter().flatten() {
+            let Some((collection, rkey)) = op["path"].as_str().and_then(|p| p.split_once('/')) else { continue };
+            let key = (repo.to_owned(), format!("{collection}/{rkey}"));
+            let row = match op["action"].as_str() {
+                Some("create" | "update") => {
+                    let cid = op["cid"].as_str().unwrap_or_default().to_owned();
+                    Some((collection.to_owned(), rkey.to_owned(), cid, rev.to_owned(), op["record"].to_string()))
+                }
+                Some("delete") => None,
+                _ => continue,
+            };
+            last.insert(key, row);
+        }
+    }
+    if last.is_empty() {
+        return Ok(());
+    }
+    let (mut dids, mut cols, mut rkeys, mut cids, mut revs, mut json, mut text) =
+        (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut del_dids, mut del_cols, mut del_rkeys) = (vec![], vec![], vec![]);
+    for ((did, path), row) in last {
+        if let Some((c, r, cid, rev, body)) = row {
+            dids.push(did);
+            cols.push(c);
+            rkeys.push(r);
+            cids.push(cid);
+            revs.push(rev);
+            let as_text = body.contains("\\u0000");
+            json.push((!as_text).then(|| body.clone()));
+            text.push(as_text.then_some(body));
+        } else {
+            let (c, r) = path.split_once('/').unwrap_or((&path, ""));
+            del_cols.push(c.to_owned());
+            del_rkeys.push(r.to_owned());
+            del_dids.push(did);
+        }
+    }
+    upsert_records(tx, &dids, &cols, &rkeys, &cids, &revs, &json, &text).await?;
+    if !del_dids.is_empty() {
+        tx.execute(
+            "DELETE FROM firekeeper_records r USING UNNEST($1::text[], $2::text[], $3::text[]) AS x(d, c, k)
+             WHERE r.did = x.d AND r.collection = x.c AND r.rkey = x.k",
+            &[&del_dids, &del_cols, &del_rkeys],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Upserts records into the mirror.
+#[allow(clippy::too_many_arguments)]
+async fn upsert_records(
+    tx: &impl tokio_postgres::GenericClient,
+    dids: &[String],
+    cols: &[String],
+    rkeys: &[String],
+    cids: &[String],
+    revs: &[String],
+    json: &[Option<String>],
+    text: &[Option<String>],
+) -> Result<u64, tokio_postgres::Error> {
+    if dids.is_empty() {
+        return Ok(0);
+    }
+    tx.execute(
+        "INSERT INTO firekeeper_records (did, collection, rkey, cid, rev, record, record_text)
+         SELECT d, c, k, i, r, j::jsonb, t
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[]) AS x(d, c, k, i, r, j, t)
+         ON CONFLICT (did, collection, rkey) DO UPDATE SET cid = EXCLUDED.cid, rev = EXCLUDED.rev,
+             record = EXCLUDED.record, record_text = EXCLUDED.record_text, updated_at = now()",
+        &[&dids, &cols, &rkeys, &cids, &revs, &json, &text],
+    )
+    .await
+}
+
+/// A snapshot in one fenced transaction: its events (seq NULL) and, with the mirror, the
+/// repo's rows replaced.
+async fn pg_snapshot(
+    c: &mut tokio_postgres::Client,
+    s: &Snapshot,
+    ctx: &BatchCtx,
+    records: bool,
+) -> Result<(), HandlerError> {
+    let pg = |e: tokio_postgres::Error| HandlerError::failed("postgres", e);
+    let tx = c.transaction().await.map_err(pg)?;
+    let holder = ctx.term.holder();
+    let fence = checkpoint::Fence { holder: &holder, token: ctx.token };
+    match PostgresStore::fence_in(&tx, fence).await {
+        Ok(CommitOutcome::Fenced { .. }) => {
+            let _ = tx.rollback().await;
+            return Err(HandlerError::Fenced);
+        }
+        Ok(_) => {}
+        Err(e) => return Err(HandlerError::failed("postgres fence", e)),
+    }
+    let n = s.events();
+    let bodies: Vec<String> = (0..n)
+        .map(|i| {
+            let mut b = String::new();
+            s.write_event_json(i, &mut b);
+            b
+        })
+        .collect();
+    let as_text = |b: &str| b.contains("\\u0000");
+    let kinds: Vec<&str> = (0..n).map(|i| if i == 0 { "#resync" } else { "#record" }).collect();
+    let dids: Vec<&str> = vec![s.did(); n];
+    let keys: Vec<String> = (0..n).map(|i| format!("resync:{}:{i}", s.rev())).collect();
+    let json: Vec<Option<&str>> = bodies.iter().map(|b| (!as_text(b)).then_some(b.as_str())).collect();
+    let text: Vec<Option<&str>> = bodies.iter().map(|b| as_text(b).then_some(b.as_str())).collect();
+    let token = i64::try_from(ctx.token).unwrap_or(i64::MAX);
+    tx.execute(
+        "INSERT INTO firekeeper_events (relay, seq, token, kind, did, event_key, body, body_text)
+         SELECT $1, NULL, $2, k, d, e, b::jsonb, t
+         FROM UNNEST($3::text[], $4::text[], $5::text[], $6::text[], $7::text[]) WITH ORDINALITY AS x(k, d, e, b, t, n)
+         ORDER BY n",
+        &[&ctx.fingerprint, &token, &kinds, &dids, &keys, &json, &text],
+    )
+    .await
+    .map_err(pg)?;
+    if records {
+        tx.execute("DELETE FROM firekeeper_records WHERE did = $1", &[&s.did()]).await.map_err(pg)?;
+        let recs = &s.repo().records;
+        let col = |f: fn(&consumer::resync::RepoRecord) -> &str| {
+            recs.iter().map(|r| f(r).to_owned()).collect::<Vec<String>>()
+        };
+        let dids: Vec<String> = vec![s.did().to_owned(); recs.len()];
+        let at_rev: Vec<String> = vec![s.rev().to_owned(); recs.len()];
+        let json: Vec<Option<String>> = recs.iter().map(|r| (!as_text(&r.json)).then(|| r.json.clone())).collect();
+        let text: Vec<Option<String>> = recs.iter().map(|r| as_text(&r.json).then(|| r.json.clone())).collect();
+        upsert_records(&tx, &dids, &col(|r| &r.collection), &col(|r| &r.rkey), &col(|r| &r.cid), &at_rev, &json, &text)
+            .await
+            .map_err(pg)?;
+    }
+    ctx.ensure_active()?;
+    tx.commit().await.map_err(pg)
 }
 
 /// Discards every batch (benchmarks, and trying the consumer out).

@@ -29,12 +29,30 @@ pub fn car(did: &str) -> Vec<u8> {
 /// # Panics
 /// When it cannot listen.
 pub async fn start<S: std::hash::BuildHasher + Send + Sync + 'static>(serve: HashMap<String, String, S>) -> String {
+    start_slow(serve, HashMap::new()).await
+}
+
+/// [`start`], with the answer for each DID in `slow` held back that long (a download in
+/// flight while a test kills or freezes the process waiting for it).
+///
+/// # Panics
+/// When it cannot listen.
+pub async fn start_slow<S, T>(
+    serve: HashMap<String, String, S>,
+    slow: HashMap<String, std::time::Duration, T>,
+) -> String
+where
+    S: std::hash::BuildHasher + Send + Sync + 'static,
+    T: std::hash::BuildHasher + Send + Sync + 'static,
+{
+    let slow = Arc::new(slow);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let serve = Arc::new(serve);
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             let serve = serve.clone();
+            let slow = slow.clone();
             tokio::spawn(async move {
                 let mut pending = Vec::new();
                 while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
@@ -43,6 +61,9 @@ pub async fn start<S: std::hash::BuildHasher + Send + Sync + 'static>(serve: Has
                         let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
                         continue;
                     };
+                    if let Some(d) = slow.get(&did.replace("%3A", ":")) {
+                        tokio::time::sleep(*d).await;
+                    }
                     let body = car(repo);
                     let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
                     if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {

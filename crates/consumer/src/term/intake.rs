@@ -12,6 +12,10 @@ use crate::handler::Event;
 use crate::metrics as m;
 use crate::pipeline::Sent;
 
+/// Inactive accounts remembered per term (for the reactivation trigger); past this many
+/// the set starts over.
+const INACTIVE_MAX: usize = 100_000;
+
 /// This process's clock, Unix ms.
 fn now_ms() -> i64 {
     i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX / 4)
@@ -83,6 +87,7 @@ impl Leader<'_, '_> {
             metrics::counter!(m::RESYNC_COVERED).increment(1);
             return self.pass(seq);
         }
+        self.repair_triggers(seq, lane, m);
         let emit = self.chain_check(seq, lane, m);
         // A filtered-out commit that reveals a break still goes out, to carry the break.
         // Under verification it goes to its lane hidden: the repo's chain needs every
@@ -151,6 +156,44 @@ impl Leader<'_, '_> {
         }
         let (Some(o), Some(memory)) = (&mut self.overlap, &self.memory) else { return false };
         o.drops(memory, lane, Key::of(m))
+    }
+
+    /// With repo sync: a `#sync` naming a rev other than the last one handed over of its
+    /// repo (the repo's state moved without its commits), and an `#account` that turns
+    /// active again after this term saw it inactive (nobody knows what it missed), queue
+    /// the repo's resync. Kept by the store (in the lane) before the cursor passes them.
+    fn repair_triggers(&mut self, seq: u64, lane: usize, m: &Message<'_>) {
+        let Some(d) = self.cx.shape.desync.as_ref().filter(|d| d.resyncs()) else { return };
+        match m {
+            Message::Sync(s) => {
+                let last = self.memory.as_ref().and_then(|mem| mem.last_commit(lane, s.did));
+                if let (Some(last), Some(rev)) = (last, crate::chain::tid(s.rev))
+                    && last != rev
+                {
+                    tracing::info!(
+                        repo = s.did,
+                        rev = s.rev,
+                        seq,
+                        "a #sync names another state than the last commit handed over: resyncing the repo"
+                    );
+                    d.mark_repo(seq, s.did, crate::resync::reason::SYNC, Some(s.rev));
+                }
+            }
+            Message::Account(a) if !a.active => {
+                if self.inactive.len() >= INACTIVE_MAX {
+                    self.inactive.clear();
+                }
+                self.inactive.insert(a.did.to_owned());
+            }
+            Message::Account(a) if self.inactive.remove(a.did) || d.is_gone(a.did) => {
+                tracing::info!(repo = a.did, seq, "the account is active again: resyncing the repo");
+                d.mark_repo(seq, a.did, crate::resync::reason::REACTIVATED, None);
+            }
+            Message::Identity(i) if d.is_gone(i.did) => {
+                d.mark_repo(seq, i.did, crate::resync::reason::IDENTITY, None);
+            }
+            _ => {}
+        }
     }
 
     /// True when a snapshot handed over in this term covers `m` (a commit or `#sync` of

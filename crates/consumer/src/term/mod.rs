@@ -225,6 +225,8 @@ struct Leader<'a, 'c> {
     resync: Option<resync::ResyncRun>,
     /// Repos whose snapshot this term handed over: their older events are dropped.
     covered: resync::Covered,
+    /// Accounts this term saw turn inactive (repo sync's reactivation trigger).
+    inactive: std::collections::HashSet<String>,
 }
 
 impl Leader<'_, '_> {

@@ -213,6 +213,7 @@ async fn start<'a, 'c>(cx: &'a Ctx<'c>, term: Term) -> Result<Leader<'a, 'c>, St
         commit_stalled: false,
         resync: None,
         covered: super::resync::Covered::new(),
+        inactive: std::collections::HashSet::new(),
     };
     l.begin(role, cursor);
     l.resync = super::resync::start(cx, cx.batch_ctx(&l.term, role));
