@@ -90,8 +90,9 @@ pub enum ReposAction {
         /// The repo's DID.
         did: String,
     },
-    /// The repos an invalid event marked desynchronised (`FIREKEEPER_VERIFY`), as the
-    /// leader knows them: one line each, oldest first.
+    /// The desynchronised repos (an invalid event, a broken chain; with repo sync, the
+    /// resync queue with each repo's state and failed attempts), as the leader knows
+    /// them: one line each, oldest first.
     Invalid {
         /// The replica's HTTP address (default: `FIREKEEPER_HTTP_ADDR`, on loopback
         /// when it listens on all addresses).

@@ -158,11 +158,13 @@ pub async fn repos_invalid(cfg: &Config, addr: Option<std::net::SocketAddr>) -> 
     }
     for r in v["repos"].as_array().into_iter().flatten() {
         say!(
-            "{} seq {} {} rev {}",
+            "{} seq {} {} rev {} {} attempts {}",
             r["repo"].as_str().unwrap_or("?"),
             r["seq"],
             r["reason"].as_str().unwrap_or("?"),
-            r["rev"].as_str().unwrap_or("-")
+            r["rev"].as_str().unwrap_or("-"),
+            r["state"].as_str().unwrap_or("desynchronized"),
+            r["attempts"]
         )?;
     }
     Ok(())

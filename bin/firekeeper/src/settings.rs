@@ -419,6 +419,7 @@ pub const SETTINGS: &[Setting] = &[
     count!("FIREKEEPER_RESOLVE_CONCURRENCY", 1024, options.verify.resolver.concurrency, "requests to the PLC directory at a time (each `did:web` host has its own 2, and a failing host its own backoff)"),
     choice!("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", bool, options.verify.resolver.allow_private, "addresses taken from the network (`did:web` hosts, PDS endpoints from DID documents, their redirects) may be loopback or private; by default they are refused, by IP or by name, so a DID cannot point this process at its own machine or network (set `true` for tests and private deployments)"),
     choice!("FIREKEEPER_RESYNC", bool, options.resync.enabled, "repo sync: a repo whose chain broke (or, with `FIREKEEPER_VERIFY`, whose commit was invalid) is queued, fetched whole from its PDS (`com.atproto.sync.getRepo`, the DID document's `#atproto_pds`), verified whole whatever `FIREKEEPER_VERIFY` says, and handed to the sink as a `#resync` event and one `#record` per record (fold semantics: forget the repo, then create each record); the queue is kept in the cursor store, fenced; `false` only counts and lists such repos"),
+    setting!("FIREKEEPER_BACKFILL_DIDS", Kind::Text, |r, v| r.options.resync.backfill = backfill_dids(v)?, |d| d.options.resync.backfill.len().to_string() + " DIDs", "repos to backfill with repo sync: DIDs separated by commas or whitespace, or `@<path>` of a file of them; each is fetched from its PDS once and handed to the sink as a `#resync` and its `#record`s (reason `backfill`), after the repairs of broken repos; the list's position is kept in the cursor store, so a new leader goes on where the last stopped (keep the list the same across replicas and restarts)"),
     count!("FIREKEEPER_SYNC_WORKERS", 1024, options.resync.workers, "repos fetched for resync at a time"),
     millis!("FIREKEEPER_RESYNC_RETRY_MS", options.resync.retry_first, "the first retry of a failed resync waits this long, doubling (with jitter) to an hour; a rate-limited host's `Retry-After`/`RateLimit-Reset` is waited out instead; a repo the PDS says is gone waits for an event of it"),
     count!("FIREKEEPER_RESYNC_ATTEMPTS", 1000, options.resync.attempts, "failed resyncs of a repo before it is listed as `failed` (until an event of it or an operator queues it again)"),
@@ -436,6 +437,21 @@ pub const SETTINGS: &[Setting] = &[
 fn collections(v: &str) -> Result<Option<CollectionFilter>, String> {
     let entries: Vec<String> = v.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
     CollectionFilter::new(entries).map_err(|bad| format!("entry {bad:?} is not an NSID or `prefix.*`"))
+}
+
+/// `FIREKEEPER_BACKFILL_DIDS`: DIDs separated by commas or whitespace, or `@<path>`.
+fn backfill_dids(v: &str) -> Result<Vec<String>, String> {
+    let text = match v.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?,
+        None => v.to_owned(),
+    };
+    let dids: Vec<String> =
+        text.split(|c: char| c == ',' || c.is_whitespace()).filter(|s| !s.is_empty()).map(str::to_owned).collect();
+    if let Some(bad) = dids.iter().find(|d| !d.starts_with("did:") || d.len() > 2048) {
+        return Err(format!("entry {bad:?} is not a DID"));
+    }
+    let mut seen = std::collections::HashSet::new();
+    Ok(dids.into_iter().filter(|d| seen.insert(d.clone())).collect())
 }
 
 /// `FIREKEEPER_HTTP_ADDR`: `host:port` or `off`.

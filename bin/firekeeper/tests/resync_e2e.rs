@@ -224,3 +224,117 @@ async fn a_leader_killed_during_a_resync_is_finished_by_the_next() {
 async fn a_leader_frozen_during_a_resync_writes_nothing_when_it_wakes() {
     a_leader_lost_during_a_resync(true).await;
 }
+
+/// Backfill: a deployment that starts at the head of the stream, with the reference PDS's
+/// DIDs listed, hands the sink every repo's snapshot: the fold equals every reference set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_of_listed_dids_folds_to_every_repos_records() {
+    let base = testkit::pds::start(every_repo()).await;
+    let plc = Plc::start(testkit::pds::docs(&base)).await;
+    let relay = relay_sim::RelaySim::start_with(
+        resync_frames(),
+        relay_sim::SimConfig::default(),
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let dir = tmpdir("backfill");
+    let mut env = base_env(&relay.url(), &dir);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let out = dir.join("out.jsonl");
+    let list = dir.join("dids.txt");
+    let dids: Vec<String> = testkit::fold::reference().into_keys().collect();
+    std::fs::write(&list, dids.join("\n")).expect("list");
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
+    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    env.insert("FIREKEEPER_BACKFILL_DIDS".into(), format!("@{}", list.display()));
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("every listed repo backfilled", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["desynchronized"] == 0
+            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"backfill\"} 9\n")
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    let text = std::fs::read_to_string(&out).expect("output");
+    assert_eq!(text.lines().filter(|l| l.contains("\"#resync\"")).count(), 9, "each repo once");
+    assert!(text.lines().all(|l| l.starts_with("{\"seq\":null,")), "nothing but snapshots");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
+/// The PDS's faults, with the outcome a user expects: a repo it does not host is `gone`
+/// (listed, not retried until an event of it); a 429 is waited out (`Retry-After`) without
+/// counting an attempt, then the repo lands; a repo that does not verify (another
+/// account's CAR) is retried with backoff and, after the last attempt, listed as `failed`.
+/// Nothing of a repo that failed is handed over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pds_faults_end_as_gone_waited_out_or_failed() {
+    use testkit::pds::Fault;
+    let rsmall1 = "did:plc:4fqcvmfbjmzuc7dzjjm6ss6q";
+    let mut serve = every_repo();
+    // rsmall2's PDS serves rsmall1's repo: it does not verify as rsmall2's.
+    serve.insert(RSMALL2.to_owned(), rsmall1.to_owned());
+    let faults = HashMap::from([(RLARGE.to_owned(), Fault::RateLimited { times: 1, retry_after_s: 2 })]);
+    let base = testkit::pds::start_faulty(serve, HashMap::new(), faults).await;
+    let plc = Plc::start(testkit::pds::docs(&base)).await;
+    // A repo whose PDS does not host it: rsmall5's break (its commit at seq 337 removed).
+    let rsmall5 = "did:plc:uv2rvvs7zmya6xu7tosxot4q";
+    let gone_base = testkit::pds::start_faulty(
+        every_repo(),
+        HashMap::new(),
+        HashMap::from([(rsmall5.to_owned(), Fault::NotFound)]),
+    )
+    .await;
+    plc.set_doc(rsmall5, testkit::pds::docs(&gone_base)[rsmall5].clone());
+    let frames: Vec<_> = resync_frames().into_iter().filter(|f| relay_sim::frame_seq(f) != Some(337)).collect();
+    let relay =
+        relay_sim::RelaySim::start_with(frames, relay_sim::SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("sim");
+    let dir = tmpdir("resync-faults");
+    let mut env = base_env(&relay.url(), &dir);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
+    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    env.insert("FIREKEEPER_RESYNC_RETRY_MS".into(), "300".into());
+    env.insert("FIREKEEPER_RESYNC_ATTEMPTS".into(), "2".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    let state_of = |v: &serde_json::Value, repo: &str| {
+        v["repos"].as_array().into_iter().flatten().find(|d| d["repo"] == repo).map(|d| d["state"].clone())
+    };
+    eventually("the large repo landed, rsmall2 failed, rsmall5 gone", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/repos/invalid").await else { return false };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        state_of(&v, RLARGE).is_none()
+            && state_of(&v, RSMALL2).is_some_and(|s| s == "failed")
+            && state_of(&v, rsmall5).is_some_and(|s| s == "gone")
+            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"chain\"} 1\n")
+    })
+    .await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    let listed = run_once(&env, &["repos", "invalid", "--addr", &addr]);
+    assert!(sigterm_and_wait(child).success());
+    assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"rate_limited\",reason=\"chain\"} 1\n"), "{metrics}");
+    assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"invalid\",reason=\"chain\"} 2\n"), "{metrics}");
+    assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"gone\",reason=\"chain\"} 1\n"), "{metrics}");
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    assert!(listed.contains(&format!("{RSMALL2} seq 255 chain rev 3n3ykm4kbpt2h failed attempts 2")), "{listed}");
+    assert!(listed.contains(&format!("{rsmall5} ")) && listed.contains(" gone attempts 0"), "{listed}");
+    let text = std::fs::read_to_string(&out).expect("output");
+    let snapshots: Vec<&str> = text.lines().filter(|l| l.contains("\"#resync\"")).collect();
+    assert_eq!(snapshots.len(), 1, "only the large repo's snapshot: {snapshots:?}");
+    assert!(snapshots[0].contains(RLARGE));
+    let folded = testkit::fold::jsonl(&text);
+    let (count, digest) = &testkit::fold::reference()[RLARGE];
+    assert_eq!((folded[RLARGE].len() as u64, testkit::fold::digest(&folded[RLARGE])), (*count, digest.clone()));
+}

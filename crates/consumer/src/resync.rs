@@ -46,8 +46,10 @@ pub mod reason {
     pub const IDENTITY: &str = "identity";
     /// An operator asked.
     pub const OPERATOR: &str = "operator";
+    /// A backfill listed it.
+    pub const BACKFILL: &str = "backfill";
     /// Every reason of this module.
-    pub const ALL: [&str; 4] = [SYNC, REACTIVATED, IDENTITY, OPERATOR];
+    pub const ALL: [&str; 5] = [SYNC, REACTIVATED, IDENTITY, OPERATOR, BACKFILL];
 }
 
 /// Repo sync settings.
@@ -65,6 +67,9 @@ pub struct ResyncOptions {
     pub attempts: u32,
     /// The bounds of one fetch.
     pub limits: Limits,
+    /// Repos to backfill (`FIREKEEPER_BACKFILL_DIDS`): each is queued once, in order, a
+    /// batch at a time while the queue is short; the position is kept in the store.
+    pub backfill: Vec<String>,
 }
 
 impl Default for ResyncOptions {
@@ -76,6 +81,7 @@ impl Default for ResyncOptions {
             retry_max: Duration::from_hours(1),
             attempts: 10,
             limits: Limits::default(),
+            backfill: Vec::new(),
         }
     }
 }
@@ -107,14 +113,16 @@ impl Resyncer {
         resolver: ResolverConfig,
         filter: Option<CollectionFilter>,
     ) -> Result<Self, crate::error::Error> {
-        let guard = guarded_http::Guard { allow_private: resolver.allow_private, max_redirects: 3 };
+        let allow_private = resolver.allow_private;
+        // The resolver installs the process's TLS provider, which the client needs.
+        let resolver = Resolver::new(resolver)
+            .map_err(|e| crate::error::Error::Config(format!("repo sync: the resolver: {e}")))?;
+        let guard = guarded_http::Guard { allow_private, max_redirects: 3 };
         let client = guarded_http::Client::new(
             guard,
             reqwest::Client::builder().user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION"))),
         )
         .map_err(|e| crate::error::Error::Config(format!("repo sync: the HTTP client: {e}")))?;
-        let resolver = Resolver::new(resolver)
-            .map_err(|e| crate::error::Error::Config(format!("repo sync: the resolver: {e}")))?;
         Ok(Self { resolver, client, opts, filter })
     }
 
@@ -131,6 +139,9 @@ impl Resyncer {
         let mut tasks = JoinSet::new();
         loop {
             while tasks.try_join_next().is_some() {}
+            if self.backfill(&desync, store.as_ref(), &ctx).await.is_err() {
+                return;
+            }
             let free = permits.available_permits();
             for (did, reason) in desync.take_due(now_ms(), free) {
                 let Ok(permit) = permits.clone().acquire_owned().await else { return };
@@ -154,6 +165,38 @@ impl Resyncer {
                 Some(_) = tasks.join_next() => {}
             }
         }
+    }
+}
+
+/// Backfill entries queued at a time: the next batch is queued once fewer than this many
+/// repos wait, so resyncs of broken repos are not stuck behind a long list.
+const BACKFILL_BATCH: usize = 256;
+
+impl Resyncer {
+    /// Queues the next batch of the backfill list when the queue is short: each repo's
+    /// entry is kept by the store first, then the list position (fenced like every repo
+    /// state; a crash in between queues a few again, which is harmless).
+    async fn backfill(
+        &self,
+        desync: &Desync,
+        store: &dyn checkpoint::CursorStore,
+        ctx: &BatchCtx,
+    ) -> Result<(), crate::handler::HandlerError> {
+        let list = &self.opts.backfill;
+        let pos = desync.backfilled();
+        if pos >= list.len() || desync.queued() >= BACKFILL_BATCH {
+            return Ok(());
+        }
+        let end = (pos + BACKFILL_BATCH).min(list.len());
+        for did in &list[pos..end] {
+            if desync.mark_new(did, reason::BACKFILL) {
+                keep(store, desync, did, ctx).await?;
+            }
+        }
+        desync.set_backfilled(end);
+        keep(store, desync, crate::verify::BACKFILL_KEY, ctx).await?;
+        tracing::info!(queued = end, of = list.len(), "backfill: repos queued");
+        Ok(())
     }
 }
 

@@ -262,7 +262,12 @@ pub struct Desync {
     pub(crate) writes: tokio::sync::Mutex<()>,
     /// Retry backoff of failed resyncs: first delay and cap (ms), and the attempts.
     retry: Mutex<(i64, i64, u32)>,
+    /// How much of the backfill list is queued (kept under [`BACKFILL_KEY`]).
+    backfilled: AtomicUsize,
 }
+
+/// The store entry that keeps the backfill list's position (not a repo).
+pub(crate) const BACKFILL_KEY: &str = "#backfill";
 
 impl Desync {
     fn mark(&self, seq: u64, inv: &Invalid) {
@@ -338,6 +343,32 @@ impl Desync {
         *self.retry.lock().expect("retry") = (ms(first), ms(cap), attempts.max(1));
     }
 
+    /// Queues `repo` unless it has an entry; true when it was queued.
+    pub(crate) fn mark_new(&self, repo: &str, reason: &'static str) -> bool {
+        if self.repos.lock().is_ok_and(|r| r.contains_key(repo)) {
+            return false;
+        }
+        self.mark_repo(0, repo, reason, None);
+        true
+    }
+
+    /// How many repos wait, queued.
+    pub(crate) fn queued(&self) -> usize {
+        self.repos.lock().map_or(0, |r| r.values().filter(|d| d.state == state::QUEUED).count())
+    }
+
+    /// How much of the backfill list is queued.
+    pub(crate) fn backfilled(&self) -> usize {
+        self.backfilled.load(Ordering::Relaxed)
+    }
+
+    /// Records how much of the backfill list is queued (written by the next keep of
+    /// [`BACKFILL_KEY`]).
+    pub(crate) fn set_backfilled(&self, n: usize) {
+        self.backfilled.store(n, Ordering::Relaxed);
+        self.dirty.lock().expect("dirty").insert(BACKFILL_KEY.to_owned());
+    }
+
     /// True when `repo`'s PDS said it is gone.
     pub(crate) fn is_gone(&self, repo: &str) -> bool {
         !self.is_empty() && self.repos.lock().is_ok_and(|r| r.get(repo).is_some_and(|d| d.state == state::GONE))
@@ -353,7 +384,8 @@ impl Desync {
     pub(crate) fn take_due(&self, now: i64, n: usize) -> Vec<(String, &'static str)> {
         let Ok(mut r) = self.repos.lock() else { return Vec::new() };
         let mut due: Vec<&mut Desynced> = r.values_mut().filter(|d| d.state == state::QUEUED && d.due <= now).collect();
-        due.sort_by_key(|d| (d.due, d.seq));
+        // Repairs before backfill, then the oldest first.
+        due.sort_by_key(|d| (d.reason == crate::resync::reason::BACKFILL, d.due, d.seq));
         let taken: Vec<(String, &'static str)> = due
             .into_iter()
             .take(n)
@@ -427,6 +459,9 @@ impl Desync {
         if !self.dirty.lock().expect("dirty").remove(repo) {
             return None;
         }
+        if repo == BACKFILL_KEY {
+            return Some(Change::Kept(self.backfilled().to_string()));
+        }
         let r = self.repos.lock().expect("repos");
         Some(match r.get(repo) {
             Some(d) => {
@@ -456,7 +491,12 @@ impl Desync {
         let Ok(mut r) = self.repos.lock() else { return };
         r.clear();
         self.dirty.lock().expect("dirty").clear();
+        self.backfilled.store(0, Ordering::Relaxed);
         for (repo, value) in kept {
+            if repo == BACKFILL_KEY {
+                self.backfilled.store(value.parse().unwrap_or(0), Ordering::Relaxed);
+                continue;
+            }
             let Ok(k) = serde_json::from_str::<Kept>(value) else {
                 tracing::warn!(repo, "a kept repo state does not read; skipped");
                 continue;

@@ -29,9 +29,11 @@ fn bench(c: &mut Criterion) {
         let cfg = ResolverConfig { plc_url: plc.url(), allow_private: true, ..ResolverConfig::default() };
         // The PLC server lives as long as the runtime's tasks.
         std::mem::forget(plc);
+        // The resolver installs the process's TLS provider, which the client needs.
+        let resolver = Resolver::new(cfg).expect("resolver");
         let guard = guarded_http::Guard { allow_private: true, max_redirects: 3 };
         let client = guarded_http::Client::new(guard, reqwest::Client::builder()).expect("client");
-        (Resolver::new(cfg).expect("resolver"), client)
+        (resolver, client)
     });
     let limits = Limits::default();
     let now_us = 4_000_000_000_000_000;

@@ -45,7 +45,42 @@ where
     S: std::hash::BuildHasher + Send + Sync + 'static,
     T: std::hash::BuildHasher + Send + Sync + 'static,
 {
+    start_faulty(serve, slow, HashMap::new()).await
+}
+
+/// What the PDS answers for a DID instead of its repo.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// `400 RepoNotFound` (the PDS's own answer for a repo it does not host).
+    NotFound,
+    /// `400 RepoTakendown`.
+    Takendown,
+    /// `429` with `Retry-After` (seconds) and `RateLimit-Remaining: 0`, the first `times`
+    /// requests; then the repo.
+    RateLimited {
+        /// Requests answered 429.
+        times: u32,
+        /// `Retry-After`, seconds.
+        retry_after_s: u64,
+    },
+}
+
+/// [`start_slow`], with some DIDs answered by a [`Fault`] instead.
+///
+/// # Panics
+/// When it cannot listen.
+pub async fn start_faulty<S, T, U>(
+    serve: HashMap<String, String, S>,
+    slow: HashMap<String, std::time::Duration, T>,
+    faults: HashMap<String, Fault, U>,
+) -> String
+where
+    S: std::hash::BuildHasher + Send + Sync + 'static,
+    T: std::hash::BuildHasher + Send + Sync + 'static,
+    U: std::hash::BuildHasher + Send + Sync + 'static,
+{
     let slow = Arc::new(slow);
+    let faults = Arc::new(std::sync::Mutex::new(faults));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let serve = Arc::new(serve);
@@ -53,10 +88,39 @@ where
         while let Ok((mut s, _)) = listener.accept().await {
             let serve = serve.clone();
             let slow = slow.clone();
+            let faults = faults.clone();
             tokio::spawn(async move {
                 let mut pending = Vec::new();
                 while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
                     let did = line.split("did=").nth(1).and_then(|d| d.split([' ', '&']).next()).unwrap_or("");
+                    let fault = {
+                        let mut f = faults.lock().expect("faults");
+                        let did = did.replace("%3A", ":");
+                        match f.get_mut(&did) {
+                            Some(Fault::RateLimited { times, .. }) if *times == 0 => None,
+                            Some(Fault::RateLimited { times, retry_after_s }) => {
+                                *times -= 1;
+                                Some(format!(
+                                    "HTTP/1.1 429 Too Many Requests\r\nretry-after: {retry_after_s}\r\nratelimit-remaining: 0\r\ncontent-length: 0\r\n\r\n"
+                                ))
+                            }
+                            Some(f @ (Fault::NotFound | Fault::Takendown)) => {
+                                let name = if matches!(f, Fault::NotFound) { "RepoNotFound" } else { "RepoTakendown" };
+                                let body = format!("{{\"error\":\"{name}\",\"message\":\"no\"}}");
+                                Some(format!(
+                                    "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                                    body.len()
+                                ))
+                            }
+                            None => None,
+                        }
+                    };
+                    if let Some(answer) = fault {
+                        if s.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     let Some(repo) = serve.get(&did.replace("%3A", ":")) else {
                         let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
                         continue;
