@@ -1,6 +1,9 @@
 //! A synchronous `CARv1` slice reader: the `blocks` of a commit are already in memory, so
 //! blocks are returned as borrowed `(cid, data)` pairs with every length bounds-checked.
 
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
 use crate::cbor::Reader;
 use crate::cid::{self, Cid};
 use crate::error::DecodeError;
@@ -18,6 +21,45 @@ pub struct Car<'a> {
     blocks: Vec<(Cid<'a>, &'a [u8])>,
     /// True once `blocks` is sorted by CID for binary search.
     sorted: bool,
+    /// For large CARs once indexed: each block's position by the last 8 bytes of its CID
+    /// (a SHA-256 digest, so already uniform); [`SHARED`] where two blocks share them (a
+    /// binary search then decides). A binary search over a whole repo's blocks misses the
+    /// cache at every probe: this is one look-up.
+    by_tail: Option<HashMap<u64, u32, BuildHasherDefault<Tail>>>,
+}
+
+/// Blocks past which [`Car::index`] also builds the hash index.
+const HASHED: usize = 256;
+
+/// A `by_tail` position shared by two blocks.
+const SHARED: u32 = u32::MAX;
+
+/// The hasher of `by_tail`: its keys are digest bytes already.
+#[derive(Default)]
+struct Tail(u64);
+
+impl std::hash::Hasher for Tail {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// The last 8 bytes of a CID (of its digest).
+fn tail(c: &[u8]) -> u64 {
+    let mut t = [0u8; 8];
+    let n = c.len().min(8);
+    t[8 - n..].copy_from_slice(&c[c.len() - n..]);
+    u64::from_le_bytes(t)
 }
 
 impl<'a> Car<'a> {
@@ -51,7 +93,7 @@ impl<'a> Car<'a> {
             blocks.push((c, data));
             at = end;
         }
-        Ok(Self { roots, blocks, sorted: false })
+        Ok(Self { roots, blocks, sorted: false, by_tail: None })
     }
 
     /// Number of blocks.
@@ -72,11 +114,29 @@ impl<'a> Car<'a> {
             self.blocks.sort_unstable_by(|a, b| a.0.cmp(&b.0));
             self.sorted = true;
         }
+        if self.by_tail.is_none() && self.blocks.len() > HASHED {
+            let mut m = HashMap::with_capacity_and_hasher(self.blocks.len(), BuildHasherDefault::<Tail>::default());
+            for (i, (c, _)) in self.blocks.iter().enumerate() {
+                let at = u32::try_from(i).unwrap_or(SHARED);
+                m.entry(tail(c.as_bytes())).and_modify(|v| *v = SHARED).or_insert(at);
+            }
+            self.by_tail = Some(m);
+        }
     }
 
     /// The data of the block with this CID, if present.
     #[must_use]
     pub fn get(&self, c: Cid<'_>) -> Option<&'a [u8]> {
+        if let Some(m) = &self.by_tail {
+            match m.get(&tail(c.as_bytes())) {
+                None => return None,
+                Some(&SHARED) => {}
+                Some(&i) => {
+                    let (k, d) = self.blocks[i as usize];
+                    return (k.as_bytes() == c.as_bytes()).then_some(d);
+                }
+            }
+        }
         if self.sorted {
             self.blocks.binary_search_by(|(k, _)| k.as_bytes().cmp(c.as_bytes())).ok().map(|i| self.blocks[i].1)
         } else {
@@ -197,6 +257,34 @@ mod tests {
         }
         let missing = cid_for(b"nope");
         assert_eq!(c.get(Cid::from_bytes(&missing).expect("cid")), None);
+    }
+
+    /// Past `HASHED` blocks the index is a hash of each CID's last 8 bytes: every block is
+    /// found, an absent CID is not (also one that shares a present one's last 8 bytes), and
+    /// two blocks sharing them are both found (by the binary search).
+    #[test]
+    fn a_large_index_finds_every_block_and_only_those() {
+        let blocks: Vec<_> = (0..HASHED + 40).map(|i| rec(&format!("r{i}"))).collect();
+        let mut cids: Vec<Vec<u8>> = blocks.iter().map(|b| cid_for(b)).collect();
+        // Two CIDs that share their last 8 bytes (not real hashes: parsed without checks).
+        let shared = cids[0][28..].to_vec();
+        cids[1][28..].copy_from_slice(&shared);
+        let mut car = build(&[cids[0].clone()], &[]);
+        for (c, b) in cids.iter().zip(&blocks) {
+            push_varint(&mut car, (c.len() + b.len()) as u64);
+            car.extend_from_slice(c);
+            car.extend_from_slice(b);
+        }
+        let mut c = Car::parse(&car, false).expect("valid car");
+        c.index();
+        assert!(c.by_tail.is_some(), "hashed");
+        for (id, b) in cids.iter().zip(&blocks) {
+            assert_eq!(c.get(Cid::from_bytes(id).expect("cid")), Some(&b[..]));
+        }
+        let mut absent = cids[2].clone();
+        absent[5] ^= 1;
+        assert_eq!(c.get(Cid::from_bytes(&absent).expect("cid")), None, "same last 8 bytes, another CID");
+        assert_eq!(c.get(Cid::from_bytes(&cid_for(b"nope")).expect("cid")), None);
     }
 
     #[test]
