@@ -87,27 +87,47 @@ pub async fn check_repo(
 }
 
 /// Resolves, fetches and verifies `did`'s repo, then hands `f` the PDS, the verified
-/// snapshot (borrowing the body) and the body's size.
-pub(crate) async fn verified<T>(
+/// snapshot (borrowing the body) and the body's size. Verifying (and what `f` does) runs
+/// on a blocking thread: a large repo takes longer than a runtime worker may be held.
+pub(crate) async fn verified<T, F>(
     resolver: &Resolver,
     client: &guarded_http::Client,
     did: &str,
     limits: &Limits,
     now_us: i64,
-    f: impl FnOnce(String, &Snapshot<'_>, u64) -> T,
-) -> Result<T, CheckError> {
+    f: F,
+) -> Result<T, CheckError>
+where
+    F: FnOnce(String, &Snapshot<'_>, u64) -> T + Send + 'static,
+    T: Send + 'static,
+{
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
     let url = get_repo_url(&pds, did).map_err(CheckError::Fetch)?;
     let fetched = fetch(client, &url, limits).await.map_err(CheckError::Fetch)?;
-    let bytes = fetched.body.bytes().map_err(CheckError::Read)?;
-    let snap = match verify_repo_bytes(&bytes, did, &id.signing_key, now_us) {
-        Err(RepoError::Commit(atproto_repo::CommitError::Signature(_))) => {
+    let len = fetched.body.len();
+    let body = std::sync::Arc::new(fetched.body);
+    let attempt = |key: atproto_crypto::PublicKey, f: F| {
+        let (body, did, pds) = (body.clone(), did.to_owned(), pds.clone());
+        tokio::task::spawn_blocking(move || -> Result<T, (CheckError, Option<F>)> {
+            let bytes = body.bytes().map_err(|e| (CheckError::Read(e), None))?;
+            match verify_repo_bytes(&bytes, &did, &key, now_us) {
+                Ok(snap) => Ok(f(pds, &snap, len)),
+                // The account may have rotated its key: `f` comes back for a second try.
+                Err(e @ RepoError::Commit(atproto_repo::CommitError::Signature(_))) => {
+                    Err((CheckError::Verify(e), Some(f)))
+                }
+                Err(e) => Err((CheckError::Verify(e), None)),
+            }
+        })
+    };
+    let joined = |e: tokio::task::JoinError| CheckError::Read(std::io::Error::other(e));
+    match attempt(id.signing_key.clone(), f).await.map_err(joined)? {
+        Ok(t) => Ok(t),
+        Err((_, Some(f))) => {
             let fresh = resolver.refresh(did).await.map_err(CheckError::Resolve)?;
-            verify_repo_bytes(&bytes, did, &fresh.signing_key, now_us)
+            attempt(fresh.signing_key.clone(), f).await.map_err(joined)?.map_err(|(e, _)| e)
         }
-        other => other,
+        Err((e, None)) => Err(e),
     }
-    .map_err(CheckError::Verify)?;
-    Ok(f(pds, &snap, fetched.body.len()))
 }

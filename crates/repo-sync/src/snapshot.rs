@@ -52,28 +52,44 @@ pub async fn fetch_snapshot(
     limits: &Limits,
     now_us: i64,
 ) -> Result<RepoSnapshot, CheckError> {
-    verified(resolver, client, did, limits, now_us, |pds, snap, bytes| {
-        let records = snap
-            .records
-            .iter()
-            .map(|r| {
-                let (collection, rkey) = r.key.split_once('/').unwrap_or((r.key.as_str(), ""));
-                let cid = atproto_data::cid::Cid::from_bytes(&r.cid).map(|c| c.to_string_b32()).unwrap_or_default();
-                let mut json = String::with_capacity(r.block.len() * 2);
-                atproto_data::json::write_cbor_as_json(r.block, &mut json);
-                RepoRecord { collection: collection.to_owned(), rkey: rkey.to_owned(), cid, json }
-            })
-            .collect();
-        RepoSnapshot {
-            did: did.to_owned(),
-            rev: snap.commit.rev.to_owned(),
-            commit: snap.commit.cid.to_string_b32(),
-            data: snap.commit.data.to_string_b32(),
-            data_cid: snap.commit.data.as_bytes().to_vec(),
-            pds,
-            bytes,
-            records,
-        }
+    let did_owned = did.to_owned();
+    verified(resolver, client, did, limits, now_us, move |pds, snap, bytes| RepoSnapshot {
+        did: did_owned,
+        rev: snap.commit.rev.to_owned(),
+        commit: snap.commit.cid.to_string_b32(),
+        data: snap.commit.data.to_string_b32(),
+        data_cid: snap.commit.data.as_bytes().to_vec(),
+        pds,
+        bytes,
+        records: render(&snap.records),
     })
     .await
+}
+
+/// Records past which rendering is split over two threads.
+const PARALLEL: usize = 4096;
+
+/// Renders every record, in key order; a large repo on two threads.
+fn render(records: &[atproto_repo::repo::Record<'_>]) -> Vec<RepoRecord> {
+    let one = |r: &atproto_repo::repo::Record<'_>| {
+        let (collection, rkey) = r.key.split_once('/').unwrap_or((r.key.as_str(), ""));
+        let cid = atproto_data::cid::Cid::from_bytes(&r.cid).map(|c| c.to_string_b32()).unwrap_or_default();
+        let mut json = String::with_capacity(r.block.len() * 2);
+        atproto_data::json::write_cbor_as_json(r.block, &mut json);
+        RepoRecord { collection: collection.to_owned(), rkey: rkey.to_owned(), cid, json }
+    };
+    if records.len() < PARALLEL {
+        return records.iter().map(one).collect();
+    }
+    let (a, b) = records.split_at(records.len() / 2);
+    std::thread::scope(|s| {
+        let second = s.spawn(|| b.iter().map(one).collect::<Vec<_>>());
+        let mut out: Vec<RepoRecord> = Vec::with_capacity(records.len());
+        out.extend(a.iter().map(one));
+        match second.join() {
+            Ok(rest) => out.extend(rest),
+            Err(p) => std::panic::resume_unwind(p),
+        }
+        out
+    })
 }
