@@ -38,6 +38,33 @@ fn every_repo() -> HashMap<String, String> {
     testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect()
 }
 
+/// A local world for the binary: a PLC serving the reference DID documents with their PDS
+/// at `pds`, relay-sim replaying `frames`, and the binary's environment for them (an HTTP
+/// address, jsonl to `dir/out.jsonl`, loopback addresses allowed).
+struct World {
+    plc: Plc,
+    _relay: relay_sim::RelaySim,
+    env: HashMap<String, String>,
+    addr: String,
+    out: std::path::PathBuf,
+}
+
+async fn world(pds: &str, frames: Vec<testkit::bytes_compat::Bytes>, dir: &std::path::Path) -> World {
+    let plc = Plc::start(testkit::pds::docs(pds)).await;
+    let relay =
+        relay_sim::RelaySim::start_with(frames, relay_sim::SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("sim");
+    let mut env = base_env(&relay.url(), dir);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
+    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    World { plc, _relay: relay, env, addr, out }
+}
+
 /// Where the run's output goes.
 enum Sink {
     Jsonl,
@@ -49,30 +76,12 @@ enum Sink {
 /// metrics at the end and the log.
 async fn run(sink: &Sink, dir: &std::path::Path) -> (String, String, String) {
     let base = testkit::pds::start(every_repo()).await;
-    let plc = Plc::start(testkit::pds::docs(&base)).await;
-    let relay = relay_sim::RelaySim::start_with(
-        resync_frames(),
-        relay_sim::SimConfig::default(),
-        "127.0.0.1:0".parse().expect("addr"),
-    )
-    .await
-    .expect("sim");
-    let mut env = base_env(&relay.url(), dir);
-    let addr = format!("127.0.0.1:{}", free_port());
-    let out = dir.join("out.jsonl");
-    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
-    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
-    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
-    match sink {
-        Sink::Jsonl => {
-            env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
-        }
-        Sink::Postgres(pg) => {
-            env.insert("FIREKEEPER_SINK".into(), "postgres".into());
-            env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
-            env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
-            env.insert("DATABASE_URL".into(), pg.url());
-        }
+    let World { env: mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), dir).await;
+    if let Sink::Postgres(pg) = sink {
+        env.insert("FIREKEEPER_SINK".into(), "postgres".into());
+        env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
+        env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
+        env.insert("DATABASE_URL".into(), pg.url());
     }
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
@@ -151,23 +160,11 @@ async fn the_postgres_records_table_equals_the_reference_after_a_chain_break() {
 async fn a_leader_lost_during_a_resync(freeze: bool) {
     let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
     let base = testkit::pds::start_slow(every_repo(), slow).await;
-    let plc = Plc::start(testkit::pds::docs(&base)).await;
-    let relay = relay_sim::RelaySim::start_with(
-        resync_frames(),
-        relay_sim::SimConfig::default(),
-        "127.0.0.1:0".parse().expect("addr"),
-    )
-    .await
-    .expect("sim");
     let dir = tmpdir(if freeze { "resync-freeze" } else { "resync-kill" });
+    let World { mut env, out, plc: _plc, _relay, .. } = world(&base, resync_frames(), &dir).await;
     // A shared lease (a lock file would stay held by the frozen process).
     let redis = testkit::RedisServer::start();
-    let mut env = base_env(&relay.url(), &dir);
     env.insert("REDIS_URL".into(), redis.url());
-    let out = dir.join("out.jsonl");
-    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
-    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
-    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let (addr_a, addr_b) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
     let mut env_a = env.clone();
@@ -230,25 +227,11 @@ async fn a_leader_frozen_during_a_resync_writes_nothing_when_it_wakes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_of_listed_dids_folds_to_every_repos_records() {
     let base = testkit::pds::start(every_repo()).await;
-    let plc = Plc::start(testkit::pds::docs(&base)).await;
-    let relay = relay_sim::RelaySim::start_with(
-        resync_frames(),
-        relay_sim::SimConfig::default(),
-        "127.0.0.1:0".parse().expect("addr"),
-    )
-    .await
-    .expect("sim");
     let dir = tmpdir("backfill");
-    let mut env = base_env(&relay.url(), &dir);
-    let addr = format!("127.0.0.1:{}", free_port());
-    let out = dir.join("out.jsonl");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), &dir).await;
     let list = dir.join("dids.txt");
     let dids: Vec<String> = testkit::fold::reference().into_keys().collect();
     std::fs::write(&list, dids.join("\n")).expect("list");
-    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
-    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
-    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
-    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
     env.insert("FIREKEEPER_BACKFILL_DIDS".into(), format!("@{}", list.display()));
     assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
@@ -281,7 +264,6 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
     serve.insert(RSMALL2.to_owned(), rsmall1.to_owned());
     let faults = HashMap::from([(RLARGE.to_owned(), Fault::RateLimited { times: 1, retry_after_s: 2 })]);
     let base = testkit::pds::start_faulty(serve, HashMap::new(), faults).await;
-    let plc = Plc::start(testkit::pds::docs(&base)).await;
     // A repo whose PDS does not host it: rsmall5's break (its commit at seq 337 removed).
     let rsmall5 = "did:plc:uv2rvvs7zmya6xu7tosxot4q";
     let gone_base = testkit::pds::start_faulty(
@@ -290,20 +272,10 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
         HashMap::from([(rsmall5.to_owned(), Fault::NotFound)]),
     )
     .await;
-    plc.set_doc(rsmall5, testkit::pds::docs(&gone_base)[rsmall5].clone());
     let frames: Vec<_> = resync_frames().into_iter().filter(|f| relay_sim::frame_seq(f) != Some(337)).collect();
-    let relay =
-        relay_sim::RelaySim::start_with(frames, relay_sim::SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
-            .await
-            .expect("sim");
     let dir = tmpdir("resync-faults");
-    let mut env = base_env(&relay.url(), &dir);
-    let addr = format!("127.0.0.1:{}", free_port());
-    let out = dir.join("out.jsonl");
-    env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
-    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
-    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
-    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    let World { mut env, addr, out, plc, _relay } = world(&base, frames, &dir).await;
+    plc.set_doc(rsmall5, testkit::pds::docs(&gone_base)[rsmall5].clone());
     env.insert("FIREKEEPER_RESYNC_RETRY_MS".into(), "300".into());
     env.insert("FIREKEEPER_RESYNC_ATTEMPTS".into(), "2".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());

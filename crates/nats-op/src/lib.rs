@@ -14,7 +14,6 @@ use std::time::Duration;
 
 pub use async_nats;
 use async_nats::jetstream::{self, kv};
-use tokio::sync::Mutex;
 
 /// Why a NATS operation failed. Like the Redis errors, all but `Config` mean "outcome
 /// unknown": the caller retries or keeps leading until its deadline.
@@ -248,7 +247,10 @@ impl Nats {
 pub struct Bucket {
     nats: Nats,
     config: kv::Config,
-    store: Arc<Mutex<Option<kv::Store>>>,
+    /// The bucket's handle once opened. A plain mutex, never held across an await: a
+    /// caller's future parked while holding an async lock here (a commit its term loop
+    /// stopped polling) left every other caller waiting for ever.
+    store: Arc<std::sync::Mutex<Option<kv::Store>>>,
 }
 
 impl std::fmt::Debug for Bucket {
@@ -298,7 +300,7 @@ impl Bucket {
             storage: jetstream::stream::StorageType::File,
             ..kv::Config::default()
         };
-        Self { nats, config, store: Arc::new(Mutex::new(None)) }
+        Self { nats, config, store: Arc::new(std::sync::Mutex::new(None)) }
     }
 
     /// Why this bucket's name cannot be used, if it cannot.
@@ -331,10 +333,10 @@ impl Bucket {
     /// KV creation, which reads the account's info and fails on servers before 2.10
     /// (Debian's 2.9 lacks fields the client requires there).
     pub async fn store(&self) -> Result<kv::Store, NatsError> {
-        let mut s = self.store.lock().await;
-        if let Some(st) = s.as_ref() {
+        if let Some(st) = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref() {
             return Ok(st.clone());
         }
+        // Opened without the lock held: two callers may both open it (idempotent).
         if let Some(problem) = self.name_problem() {
             return Err(NatsError::Config(problem));
         }
@@ -367,7 +369,7 @@ impl Bucket {
         }
         self.keep_age_at_least(&stream).await?;
         let st = self.nats.bounded("open bucket", js.get_key_value(self.config.bucket.clone())).await?;
-        *s = Some(st.clone());
+        *self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(st.clone());
         Ok(st)
     }
 
@@ -412,7 +414,7 @@ impl Bucket {
     /// Forgets the handle after a failure, so the next call looks the bucket up again
     /// (it may have been deleted, or the server restarted without its data).
     pub async fn invalidate(&self) {
-        *self.store.lock().await = None;
+        *self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 
     /// Runs `f` on the bucket within one op timeout (lookup included); any failure
