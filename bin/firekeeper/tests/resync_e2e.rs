@@ -76,7 +76,7 @@ enum Sink {
 /// metrics at the end and the log.
 async fn run(sink: &Sink, dir: &std::path::Path) -> (String, String, String) {
     let base = testkit::pds::start(every_repo()).await;
-    let World { env: mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), dir).await;
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), dir).await;
     if let Sink::Postgres(pg) = sink {
         env.insert("FIREKEEPER_SINK".into(), "postgres".into());
         env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());

@@ -413,7 +413,7 @@ impl Bucket {
 
     /// Forgets the handle after a failure, so the next call looks the bucket up again
     /// (it may have been deleted, or the server restarted without its data).
-    pub async fn invalidate(&self) {
+    pub fn invalidate(&self) {
         *self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 
@@ -439,7 +439,7 @@ impl Bucket {
             Err(self.nats.timed_out(what, self.nats.op_timeout))
         };
         if out.is_err() {
-            self.invalidate().await;
+            self.invalidate();
         }
         out
     }
