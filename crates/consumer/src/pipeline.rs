@@ -821,13 +821,16 @@ impl Lane {
     /// Writes the desync changes of the batch's repos to the store, fenced by the term,
     /// retried while the store does not answer (`Fenced`: a newer term owns the store).
     async fn persist(&self, desync: &Desync, batch: &[Event]) -> Result<(), HandlerError> {
-        let mut seen: Vec<&str> = Vec::new();
+        // Nothing marked or cleared anywhere (the common case): nothing to keep. A repo
+        // this batch's events marked is noted before the batch gets here.
+        if !desync.any_dirty() {
+            return Ok(());
+        }
+        let mut seen = std::collections::HashSet::new();
         for did in batch.iter().filter_map(Event::did) {
-            if seen.contains(&did) {
-                continue;
+            if seen.insert(did) {
+                crate::verify::keep(self.store.as_ref(), desync, did, &self.ctx).await?;
             }
-            seen.push(did);
-            crate::verify::keep(self.store.as_ref(), desync, did, &self.ctx).await?;
         }
         Ok(())
     }

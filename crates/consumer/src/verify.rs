@@ -254,6 +254,9 @@ pub struct Desync {
     max: AtomicUsize,
     /// Repos marked or cleared and not yet written to the store.
     dirty: Mutex<std::collections::HashSet<String>>,
+    /// How many `dirty` holds: a lane's batch looks no further while it is 0 (the
+    /// common case: nothing to keep).
+    dirty_n: AtomicUsize,
     /// Repo sync runs: entries stay until their snapshot lands.
     resync: std::sync::atomic::AtomicBool,
     /// Wakes the resync worker when a repo is queued.
@@ -310,7 +313,7 @@ impl Desync {
         } else {
             return;
         }
-        self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        self.set_dirty(repo);
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
         drop(r);
@@ -329,7 +332,7 @@ impl Desync {
         let Ok(mut r) = self.repos.lock() else { return };
         if r.remove(repo).is_some() {
             tracing::info!(repo, "repo synchronised again");
-            self.dirty.lock().expect("dirty").insert(repo.to_owned());
+            self.set_dirty(repo);
         }
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
@@ -341,6 +344,23 @@ impl Desync {
         self.resync.store(true, Ordering::Relaxed);
         let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4);
         *self.retry.lock().expect("retry") = (ms(first), ms(cap), attempts.max(1));
+    }
+
+    /// Notes that `repo`'s state must be written to the store.
+    fn set_dirty(&self, repo: &str) {
+        if self.dirty.lock().expect("dirty").insert(repo.to_owned()) {
+            self.dirty_n.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// True when `repo`'s state waits to be written to the store.
+    fn is_dirty(&self, repo: &str) -> bool {
+        self.any_dirty() && self.dirty.lock().expect("dirty").contains(repo)
+    }
+
+    /// True when some repo's state waits to be written to the store.
+    pub(crate) fn any_dirty(&self) -> bool {
+        self.dirty_n.load(Ordering::Relaxed) > 0
     }
 
     /// Queues `repo` unless it has an entry; true when it was queued.
@@ -366,7 +386,7 @@ impl Desync {
     /// [`BACKFILL_KEY`]).
     pub(crate) fn set_backfilled(&self, n: usize) {
         self.backfilled.store(n, Ordering::Relaxed);
-        self.dirty.lock().expect("dirty").insert(BACKFILL_KEY.to_owned());
+        self.set_dirty(BACKFILL_KEY);
     }
 
     /// True when `repo`'s PDS said it is gone.
@@ -395,9 +415,9 @@ impl Desync {
                 (d.repo.clone(), d.reason)
             })
             .collect();
-        let mut dirty = self.dirty.lock().expect("dirty");
+        drop(r);
         for (repo, _) in &taken {
-            dirty.insert(repo.clone());
+            self.set_dirty(repo);
         }
         taken
     }
@@ -449,7 +469,7 @@ impl Desync {
             }
             Outcome::Gone => d.state = state::GONE,
         }
-        self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        self.set_dirty(repo);
         drop(r);
         self.queued.notify_one();
     }
@@ -459,6 +479,7 @@ impl Desync {
         if !self.dirty.lock().expect("dirty").remove(repo) {
             return None;
         }
+        self.dirty_n.fetch_sub(1, Ordering::Relaxed);
         if repo == BACKFILL_KEY {
             return Some(Change::Kept(self.backfilled().to_string()));
         }
@@ -482,7 +503,7 @@ impl Desync {
 
     /// Puts back a change the store did not take (the term ended first).
     pub(crate) fn untake(&self, repo: &str) {
-        self.dirty.lock().expect("dirty").insert(repo.to_owned());
+        self.set_dirty(repo);
     }
 
     /// Replaces the list with what the store kept (a new term continues the last): a
@@ -491,6 +512,7 @@ impl Desync {
         let Ok(mut r) = self.repos.lock() else { return };
         r.clear();
         self.dirty.lock().expect("dirty").clear();
+        self.dirty_n.store(0, Ordering::Relaxed);
         self.backfilled.store(0, Ordering::Relaxed);
         for (repo, value) in kept {
             if repo == BACKFILL_KEY {
@@ -577,6 +599,9 @@ pub(crate) async fn keep(
     use crate::handler::HandlerError;
     if !store.keeps_repos() {
         let _ = desync.take_change(did);
+        return Ok(());
+    }
+    if !desync.is_dirty(did) {
         return Ok(());
     }
     let _one = desync.writes.lock().await;
@@ -932,6 +957,25 @@ mod tests {
 
     fn state_of(d: &Desync, repo: &str) -> Option<&'static str> {
         d.list().into_iter().find(|x| x.repo == repo).map(|x| x.state)
+    }
+
+    /// Lanes skip the store while nothing waits to be written: the count follows the set.
+    #[test]
+    fn the_dirty_count_follows_what_waits_to_be_written() {
+        let d = queue();
+        assert!(!d.any_dirty());
+        d.mark_repo(1, "did:plc:a", "chain", None);
+        d.mark_repo(2, "did:plc:a", "chain", None);
+        d.mark_repo(3, "did:plc:b", "chain", None);
+        assert!(d.any_dirty() && d.is_dirty("did:plc:a") && d.is_dirty("did:plc:b"));
+        assert!(d.take_change("did:plc:a").is_some());
+        assert!(d.any_dirty() && !d.is_dirty("did:plc:a"), "b still waits");
+        assert!(d.take_change("did:plc:b").is_some());
+        assert!(!d.any_dirty(), "nothing waits");
+        d.untake("did:plc:b");
+        assert!(d.any_dirty());
+        d.load(&[]);
+        assert!(!d.any_dirty(), "a new term starts clean");
     }
 
     #[test]
