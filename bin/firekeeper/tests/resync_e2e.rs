@@ -62,6 +62,7 @@ async fn world(pds: &str, frames: Vec<testkit::bytes_compat::Bytes>, dir: &std::
     env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
     env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
     env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    env.insert("FIREKEEPER_RESYNC".into(), "true".into());
     World { plc, _relay: relay, env, addr, out }
 }
 
