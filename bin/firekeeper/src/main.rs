@@ -138,6 +138,8 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
 }
 
 async fn run(cfg: Config) -> Result<()> {
+    // Listen for SIGTERM before anything can make this replica visible (its lease).
+    let stop = shutdown::listen();
     let prom = telemetry::metrics()?;
     if cfg.lease_backend == config::LeaseKind::Local {
         tracing::warn!(
@@ -175,7 +177,7 @@ async fn run(cfg: Config) -> Result<()> {
         tracing::info!(%addr, "http listening: /healthz /readyz /metrics /status /repos/invalid");
         tokio::spawn(http::serve(listener, status, prom, stop_http.clone()));
     }
-    let r = Box::pin(consumer.run(shutdown::requested())).await;
+    let r = Box::pin(consumer.run(stop)).await;
     stop_http.cancel();
     Ok(r?)
 }

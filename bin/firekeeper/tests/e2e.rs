@@ -378,6 +378,35 @@ async fn a_drain_over_budget_exits_1_and_a_second_signal_forces_exit() {
     assert_eq!(s.code(), Some(130));
 }
 
+/// A stop asked while the replica is still starting (its jsonl output is a FIFO nobody
+/// reads yet, so opening it blocks) is a graceful stop once the start is done: exit 0,
+/// not death by the signal's default action. Before the listeners were installed first,
+/// a replica SIGTERMed between its lease becoming visible and its first poll of the
+/// shutdown future died of SIGTERM (operator::cursor_set_refuses…, with repo sync on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_asked_while_starting_is_graceful() {
+    let relay = sim(None).await;
+    let dir = tmpdir("stop-starting");
+    let mut env = base_env(&relay.url(), &dir);
+    let fifo = dir.join("out.fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
+    env.insert("FIREKEEPER_JSONL_PATH".into(), fifo.to_string_lossy().into_owned());
+    let log = dir.join("starting.log");
+    let c = firekeeper(&env, &[], &log);
+    eventually("the replica says it is starting", WAIT, async || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("\"starting\""))
+    })
+    .await;
+    assert!(Command::new("kill").args(["-TERM", &c.id().to_string()]).status().expect("kill").success());
+    // Now let it open its output, and read what it writes until it closes it.
+    let reader = std::thread::spawn(move || std::fs::read(&fifo).expect("read the fifo"));
+    let s = tokio::task::spawn_blocking(move || wait_exit(c)).await.expect("join");
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(s.code(), Some(0), "{s:?}: {said}");
+    assert!(said.contains("shutdown requested"), "{said}");
+    drop(reader.join());
+}
+
 /// A relay that skipped one commit of a repo: with `FIREKEEPER_CHAIN_BREAKS=emit` the
 /// jsonl sink gets one `#chain-break` line naming the repo and the revs, right before the
 /// repo's next commit, and `/metrics` counts it.

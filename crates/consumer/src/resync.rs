@@ -56,8 +56,6 @@ pub mod reason {
 #[derive(Debug, Clone)]
 pub struct ResyncOptions {
     /// Resync desynchronised repos from their PDS (with a handler that takes snapshots).
-    /// Off by default for now: with it on, a replica told to stop right after it was
-    /// elected sometimes exits unsuccessfully (not yet understood; see the issue note).
     pub enabled: bool,
     /// Repos fetched at a time.
     pub workers: usize,
@@ -77,7 +75,7 @@ pub struct ResyncOptions {
 impl Default for ResyncOptions {
     fn default() -> Self {
         Self {
-            enabled: false,
+            enabled: true,
             workers: 4,
             retry_first: Duration::from_mins(1),
             retry_max: Duration::from_hours(1),
