@@ -90,15 +90,64 @@ pub enum ReposAction {
         /// The repo's DID.
         did: String,
     },
-    /// The desynchronised repos (an invalid event, a broken chain; with repo sync, the
-    /// resync queue with each repo's state and failed attempts), as the leader knows
-    /// them: one line each, oldest first.
-    Invalid {
+    /// The resync queue as the leader knows it (repos whose event was invalid or whose
+    /// chain broke, with repo sync each one's state and failed attempts): one line each,
+    /// oldest first.
+    #[command(alias = "invalid")]
+    List {
+        /// Only repos in this state (repeatable).
+        #[arg(long, value_enum)]
+        state: Vec<QueueState>,
         /// The replica's HTTP address (default: `FIREKEEPER_HTTP_ADDR`, on loopback
         /// when it listens on all addresses).
         #[arg(long)]
         addr: Option<std::net::SocketAddr>,
     },
+    /// One repo's place in the resync queue, or that it has none (synchronized).
+    Show {
+        /// The repo's DID.
+        did: String,
+        /// The replica's HTTP address (as for `list`).
+        #[arg(long)]
+        addr: Option<std::net::SocketAddr>,
+    },
+    /// Queue resyncs of these repos on the leader (`POST /repos/resync`, with the bearer
+    /// token `FIREKEEPER_ADMIN_TOKEN`): each is fetched from its PDS, verified whole and
+    /// handed to the sink as a snapshot. A `gone` or `failed` repo starts over.
+    Resync {
+        /// The repos' DIDs.
+        #[arg(required = true)]
+        dids: Vec<String>,
+        /// The leader's HTTP address (as for `list`).
+        #[arg(long)]
+        addr: Option<std::net::SocketAddr>,
+    },
+}
+
+/// A state of the resync queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QueueState {
+    /// Queued.
+    Desynchronized,
+    /// A download in flight.
+    Resyncing,
+    /// The PDS says it is not there.
+    Gone,
+    /// Every attempt failed.
+    Failed,
+}
+
+impl QueueState {
+    /// The spelling `/repos/invalid` uses.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Desynchronized => "desynchronized",
+            Self::Resyncing => "resyncing",
+            Self::Gone => "gone",
+            Self::Failed => "failed",
+        }
+    }
 }
 
 /// `lease` subcommands.

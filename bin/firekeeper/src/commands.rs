@@ -1,4 +1,4 @@
-//! The operator commands: `cursor show|set`, `lease show`, `repos invalid`, `capture`.
+//! The operator commands: `cursor show|set`, `lease show`, `repos list|show|resync|check`, `capture`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use checkpoint::ReadOutcome;
 use relay_client::{Item, RelayRole, RelayUrl, Subscription};
 
-use crate::cli::Relay;
+use crate::cli::{QueueState, Relay};
 use crate::config::{Config, StoreKind};
 use crate::output::say;
 use crate::stores::{open_lease, open_store};
@@ -136,8 +136,14 @@ pub async fn lease_show(cfg: &Config) -> Result<()> {
     }
 }
 
-/// Prints the desynchronised repos a running replica lists at `/repos/invalid`.
-pub async fn repos_invalid(cfg: &Config, addr: Option<std::net::SocketAddr>) -> Result<()> {
+/// One request to a replica's HTTP endpoint: the status code and the body.
+async fn ask(
+    cfg: &Config,
+    addr: Option<std::net::SocketAddr>,
+    method: &str,
+    target: &str,
+    token: Option<&str>,
+) -> Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut addr = addr.or(cfg.http_addr).context("no --addr and FIREKEEPER_HTTP_ADDR is off")?;
     if addr.ip().is_unspecified() {
@@ -147,25 +153,101 @@ pub async fn repos_invalid(cfg: &Config, addr: Option<std::net::SocketAddr>) -> 
         .await
         .context("connecting timed out")?
         .with_context(|| format!("connecting to {addr}"))?;
-    s.write_all(b"GET /repos/invalid HTTP/1.1\r\nhost: firekeeper\r\nconnection: close\r\n\r\n").await?;
+    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let req = format!("{method} {target} HTTP/1.1\r\nhost: firekeeper\r\n{auth}connection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await?;
     let mut buf = String::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut buf)).await.context("reading timed out")??;
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b).context("not an HTTP answer")?;
-    let v: serde_json::Value = serde_json::from_str(body).context("not the JSON of /repos/invalid")?;
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut buf)).await.context("reading timed out")??;
+    let (head, body) = buf.split_once("\r\n\r\n").context("not an HTTP answer")?;
+    let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).context("not an HTTP answer")?;
+    Ok((code, body.to_owned()))
+}
+
+/// The repos a replica lists at `/repos/invalid?<query>`, after saying which role it has.
+async fn listed(cfg: &Config, addr: Option<std::net::SocketAddr>, query: &str) -> Result<Vec<serde_json::Value>> {
+    let (_, body) = ask(cfg, addr, "GET", &format!("/repos/invalid?{query}"), None).await?;
+    let v: serde_json::Value = serde_json::from_str(&body).context("not the JSON of /repos/invalid")?;
     let role = v["role"].as_str().unwrap_or("unknown");
     if role != "leader" {
-        eprintln!("that replica is {role}: only the leader verifies; ask the leader");
+        eprintln!("that replica is {role}: only the leader works the resync queue; ask the leader");
     }
-    for r in v["repos"].as_array().into_iter().flatten() {
-        say!(
-            "{} seq {} {} rev {} {} attempts {}",
-            r["repo"].as_str().unwrap_or("?"),
-            r["seq"],
-            r["reason"].as_str().unwrap_or("?"),
-            r["rev"].as_str().unwrap_or("-"),
-            r["state"].as_str().unwrap_or("desynchronized"),
-            r["attempts"]
-        )?;
+    Ok(v["repos"].as_array().cloned().unwrap_or_default())
+}
+
+/// One queue entry as the commands print it.
+fn entry_line(r: &serde_json::Value) -> String {
+    format!(
+        "{} seq {} {} rev {} {} attempts {}",
+        r["repo"].as_str().unwrap_or("?"),
+        r["seq"],
+        r["reason"].as_str().unwrap_or("?"),
+        r["rev"].as_str().unwrap_or("-"),
+        r["state"].as_str().unwrap_or("desynchronized"),
+        r["attempts"]
+    )
+}
+
+/// Percent-encodes a query value (a DID's `:` and `%` survive the trip).
+fn encoded(v: &str) -> String {
+    v.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Prints the resync queue a running replica lists at `/repos/invalid`, optionally only
+/// the repos in some states.
+pub async fn repos_list(cfg: &Config, states: &[QueueState], addr: Option<std::net::SocketAddr>) -> Result<()> {
+    let query: Vec<String> = states.iter().map(|s| format!("state={}", s.as_str())).collect();
+    for r in listed(cfg, addr, &query.join("&")).await? {
+        say!("{}", entry_line(&r))?;
+    }
+    Ok(())
+}
+
+/// Prints one repo's entry in the resync queue, or that it has none.
+pub async fn repos_show(cfg: &Config, did: &str, addr: Option<std::net::SocketAddr>) -> Result<()> {
+    let found = listed(cfg, addr, &format!("did={}", encoded(did))).await?;
+    match found.first() {
+        Some(r) => {
+            say!("{}", entry_line(r))?;
+            let due = r["due"].as_i64().unwrap_or(0);
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            let wait = due - now;
+            if r["state"] == "desynchronized" && wait > 0 {
+                say!("  next attempt in {}s", (wait + 999) / 1000)?;
+            }
+            Ok(())
+        }
+        None => say!("{did}: not in the queue (synchronized, as far as this replica knows)"),
+    }
+}
+
+/// Asks the leader to resync repos (`POST /repos/resync`, bearer `FIREKEEPER_ADMIN_TOKEN`).
+pub async fn repos_resync(cfg: &Config, dids: &[String], addr: Option<std::net::SocketAddr>) -> Result<()> {
+    let token =
+        cfg.admin_token.as_ref().context("set FIREKEEPER_ADMIN_TOKEN to the token the leader was started with")?;
+    for chunk in dids.chunks(crate::http::RESYNC_MAX_DIDS) {
+        let query: Vec<String> = chunk.iter().map(|d| format!("did={}", encoded(d))).collect();
+        let target = format!("/repos/resync?{}", query.join("&"));
+        let (code, body) = ask(cfg, addr, "POST", &target, Some(&token.0)).await?;
+        if !(200..300).contains(&code) {
+            bail!("the replica refused ({code}): {}", body.trim());
+        }
+        let v: serde_json::Value = serde_json::from_str(&body).context("not the JSON of /repos/resync")?;
+        for r in v["repos"].as_array().into_iter().flatten() {
+            say!("{} {}", r["repo"].as_str().unwrap_or("?"), r["outcome"].as_str().unwrap_or("?"))?;
+        }
+        if v["kept"] != true {
+            eprintln!("queued, but the store has not confirmed it yet (the leader keeps retrying)");
+        }
     }
     Ok(())
 }

@@ -68,6 +68,8 @@ pub struct Config {
     pub legacy_cursor_prefix: Option<String>,
     /// HTTP listen address; `None` = off.
     pub http_addr: Option<SocketAddr>,
+    /// What `POST /repos/resync` demands; `None`: state-changing endpoints are off.
+    pub admin_token: Option<crate::http::AdminToken>,
     /// Relay connection settings.
     pub client: ClientConfig,
     /// The work loop's tuning (lanes, queue depth, commit interval, drain budget, filter).
@@ -327,6 +329,7 @@ impl TryFrom<Raw> for Config {
             lease: r.lease,
             legacy_cursor_prefix: r.legacy_cursor_prefix,
             http_addr: r.http_addr,
+            admin_token: r.admin_token.filter(|t| !t.is_empty()).map(crate::http::AdminToken),
             client: r.client,
             options,
             instance_id: r.instance_id,

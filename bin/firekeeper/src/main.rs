@@ -129,7 +129,11 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
             commands::cursor_set(&cfg, relay, seq, force).await
         }
         Command::Lease { action: LeaseAction::Show } => commands::lease_show(&cfg).await,
-        Command::Repos { action: ReposAction::Invalid { addr } } => commands::repos_invalid(&cfg, addr).await,
+        Command::Repos { action: ReposAction::List { state, addr } } => commands::repos_list(&cfg, &state, addr).await,
+        Command::Repos { action: ReposAction::Show { did, addr } } => commands::repos_show(&cfg, &did, addr).await,
+        Command::Repos { action: ReposAction::Resync { dids, addr } } => {
+            commands::repos_resync(&cfg, &dids, addr).await
+        }
         Command::Repos { action: ReposAction::Check { did } } => commands::repo_check(&cfg, &did).await,
         Command::Capture { file, cursor, limit, seconds } => {
             commands::capture(&cfg, &file, cursor, limit, seconds).await
@@ -174,8 +178,10 @@ async fn run(cfg: Config) -> Result<()> {
     if let Some(addr) = cfg.http_addr {
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("FIREKEEPER_HTTP_ADDR {addr}"))?;
-        tracing::info!(%addr, "http listening: /healthz /readyz /metrics /status /repos/invalid");
-        tokio::spawn(http::serve(listener, status, prom, stop_http.clone()));
+        let admin = cfg.admin_token.clone();
+        let posts = if admin.is_some() { "; POST /repos/resync (token)" } else { "" };
+        tracing::info!(%addr, "http listening: /healthz /readyz /metrics /status /repos/invalid{posts}");
+        tokio::spawn(http::serve(listener, http::Served { status, prom, admin }, stop_http.clone()));
     }
     let r = Box::pin(consumer.run(stop)).await;
     stop_http.cancel();

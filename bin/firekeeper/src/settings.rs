@@ -157,6 +157,7 @@ pub struct Raw {
     pub nats_creds: Option<PathBuf>,
     pub nats_ca_file: Option<PathBuf>,
     pub nats_token: Option<String>,
+    pub admin_token: Option<String>,
     /// `None`: derived from the URLs set.
     pub lease_backend: Option<LeaseKind>,
     /// `None`: the lease backend's store.
@@ -194,6 +195,7 @@ impl Default for Raw {
             nats_creds: None,
             nats_ca_file: None,
             nats_token: None,
+            admin_token: None,
             lease_backend: None,
             store: None,
             sink: SinkName::Jsonl,
@@ -395,6 +397,7 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_COMMIT_INTERVAL_MS", options.commit_interval, "how often the processed watermark is committed (one write in flight; intake reads on meanwhile); a quiet stream writes its cursor again every 10 intervals, so a store that lost it gets it back"),
     millis!("FIREKEEPER_DRAIN_BUDGET_MS", options.drain_budget, "step-down drain budget"),
     millis!("FIREKEEPER_UNCOMMITTED_MAX_MS", options.uncommitted_max, "when the cursor store takes no commit for this long while there is something to commit, intake waits until one lands (not ready meanwhile, `commit_stalled` in `/status`): what a crash can repeat stays bounded by what was handed over in this long"),
+    text!("FIREKEEPER_ADMIN_TOKEN", Kind::Secret, admin_token, "none", "bearer token the state-changing endpoint `POST /repos/resync` (`firekeeper repos resync`) demands; unset: it is off and the HTTP endpoints are all read-only (never logged)"),
     setting!("FIREKEEPER_HTTP_ADDR", Kind::Text, |r, v| r.http_addr = http_addr(v)?, |d| d.http_addr.map_or_else(|| "off".into(), |a| a.to_string()), "`/healthz`, `/readyz`, `/metrics`, `/status`; `off` disables"),
     count!("FIREKEEPER_LANES", 256, options.lanes, "processing lanes; one repo's events always share a lane (order per repo)"),
     count!("FIREKEEPER_QUEUE_DEPTH", 1 << 20, options.queue_depth, "events queued per lane before the socket is pushed back on"),

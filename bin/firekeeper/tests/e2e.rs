@@ -381,8 +381,8 @@ async fn a_drain_over_budget_exits_1_and_a_second_signal_forces_exit() {
 /// A stop asked while the replica is still starting (its jsonl output is a FIFO nobody
 /// reads yet, so opening it blocks) is a graceful stop once the start is done: exit 0,
 /// not death by the signal's default action. Before the listeners were installed first,
-/// a replica SIGTERMed between its lease becoming visible and its first poll of the
-/// shutdown future died of SIGTERM (operator::cursor_set_refuses…, with repo sync on).
+/// a replica sent SIGTERM between its lease becoming visible and its first poll of the
+/// shutdown future died of SIGTERM (`operator::cursor_set_refuses…`, with repo sync on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_asked_while_starting_is_graceful() {
     let relay = sim(None).await;

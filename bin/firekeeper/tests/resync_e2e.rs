@@ -311,3 +311,82 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
     let (count, digest) = &testkit::fold::reference()[RLARGE];
     assert_eq!((folded[RLARGE].len() as u64, testkit::fold::digest(&folded[RLARGE])), (*count, digest.clone()));
 }
+
+/// `firekeeper repos resync`: refused without the token (said by the CLI) and with a
+/// wrong one (401 from the leader); with it, each repo is queued and kept by the store
+/// before the command returns, so a leader killed while one requested download is in
+/// flight and another waits queued leaves both to the next, which finishes them. `repos show` says where a repo stands; `repos list
+/// --state` narrows the list. The fold of what was handed over equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_resync_is_kept_and_survives_the_leader() {
+    let rsmall1 = "did:plc:4fqcvmfbjmzuc7dzjjm6ss6q";
+    let slow = HashMap::from([(RSMALL2.to_owned(), std::time::Duration::from_secs(4))]);
+    let base = testkit::pds::start_slow(every_repo(), slow).await;
+    let dir = tmpdir("resync-operator");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), &dir).await;
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    env.insert("FIREKEEPER_SYNC_WORKERS".into(), "1".into());
+    let mut cli_env = env.clone();
+    env.insert("FIREKEEPER_ADMIN_TOKEN".into(), "the-token".into());
+    let mut a = firekeeper(&env, &[], &dir.join("a.log"));
+    let leads = async |addr: &str| {
+        let Some((200, body)) = http_get(addr, "/status").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["role"] == "leader")
+    };
+    eventually("a leader", WAIT, async || leads(&addr).await).await;
+    let asked = run_once(&cli_env, &["repos", "resync", rsmall1, "--addr", &addr]);
+    let err = String::from_utf8_lossy(&asked.stderr);
+    assert_eq!(asked.status.code(), Some(1), "{err}");
+    assert!(err.contains("FIREKEEPER_ADMIN_TOKEN"), "{err}");
+    cli_env.insert("FIREKEEPER_ADMIN_TOKEN".into(), "not-the-token".into());
+    let asked = run_once(&cli_env, &["repos", "resync", rsmall1, "--addr", &addr]);
+    let err = String::from_utf8_lossy(&asked.stderr);
+    assert_eq!(asked.status.code(), Some(1), "{err}");
+    assert!(err.contains("401") && !err.contains("not-the-token"), "{err}");
+    assert!(!std::fs::read_to_string(&out).unwrap_or_default().contains("#resync"), "nothing queued yet");
+    // One worker: the slow repo's download holds it, the next request waits queued.
+    let asked = run_once(&env, &["repos", "resync", RSMALL2, "--addr", &addr]);
+    assert!(asked.status.success(), "{}", String::from_utf8_lossy(&asked.stderr));
+    assert_eq!(String::from_utf8_lossy(&asked.stdout), format!("{RSMALL2} queued\n"));
+    eventually("rsmall2's download in flight", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/repos/invalid?state=resyncing").await else { return false };
+        body.contains(RSMALL2)
+    })
+    .await;
+    let asked = run_once(&env, &["repos", "resync", rsmall1, "--addr", &addr]);
+    assert!(asked.status.success(), "{}", String::from_utf8_lossy(&asked.stderr));
+    assert_eq!(String::from_utf8_lossy(&asked.stdout), format!("{rsmall1} queued\n"));
+    assert!(asked.stderr.is_empty(), "kept by the store: {}", String::from_utf8_lossy(&asked.stderr));
+    let show_repo = |did: &str| {
+        String::from_utf8_lossy(&run_once(&env, &["repos", "show", did, "--addr", &addr]).stdout).into_owned()
+    };
+    let shown = show_repo(rsmall1);
+    assert!(shown.starts_with(&format!("{rsmall1} seq 0 operator rev - desynchronized attempts 0")), "{shown}");
+    let shown = show_repo(RSMALL2);
+    assert!(shown.starts_with(&format!("{RSMALL2} seq 0 operator rev - resyncing attempts 0")), "{shown}");
+    assert!(show_repo(RLARGE).contains("not in the queue"));
+    let listed = run_once(&env, &["repos", "list", "--state", "failed", "--addr", &addr]);
+    assert!(listed.status.success() && listed.stdout.is_empty(), "{listed:?}");
+    a.kill().expect("kill");
+    let _ = a.wait();
+    let b = firekeeper(&env, &[], &dir.join("b.log"));
+    eventually("the next leader finished the requested resync", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["role"] == "leader"
+            && v["desynchronized"] == 0
+            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"operator\"} 2\n")
+    })
+    .await;
+    assert!(sigterm_and_wait(b).success());
+    let text = std::fs::read_to_string(&out).expect("output");
+    let snapshots: Vec<&str> = text.lines().filter(|l| l.contains("\"#resync\"")).collect();
+    assert_eq!(snapshots.len(), 2, "{snapshots:?}");
+    assert!(snapshots.iter().all(|l| l.contains("\"reason\":\"operator\"")), "{snapshots:?}");
+    let folded = testkit::fold::jsonl(&text);
+    for did in [rsmall1, RSMALL2] {
+        let (count, digest) = &testkit::fold::reference()[did];
+        assert_eq!((folded[did].len() as u64, testkit::fold::digest(&folded[did])), (*count, digest.clone()), "{did}");
+    }
+}

@@ -85,5 +85,5 @@ pub use crate::options::{Options, Start};
 pub use crate::resync::ResyncOptions;
 pub use crate::run::Consumer;
 pub use crate::shadow::{Recollection, Shadow, ShadowError, ShadowFile};
-pub use crate::status::{Role, SinkFailing, Status, StatusHandle};
-pub use crate::verify::{Invalid, InvalidPolicy, Reason, VerifyMode, VerifyOptions};
+pub use crate::status::{NotNow, Role, SinkFailing, Status, StatusHandle};
+pub use crate::verify::{Invalid, InvalidPolicy, Reason, Requested, VerifyMode, VerifyOptions};

@@ -139,6 +139,11 @@ impl Resyncer {
         let mut tasks = JoinSet::new();
         loop {
             while tasks.try_join_next().is_some() {}
+            for did in desync.take_requests() {
+                if keep(store.as_ref(), &desync, &did, &ctx).await.is_err() {
+                    return;
+                }
+            }
             if self.backfill(&desync, store.as_ref(), &ctx).await.is_err() {
                 return;
             }

@@ -51,6 +51,17 @@ fn relay_name<S: serde::Serializer>(r: &Option<RelayRole>, s: S) -> Result<S::Ok
     }
 }
 
+/// Why a replica does not take an operator's request now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotNow {
+    /// Only the leader works the resync queue.
+    #[error("this replica is {}, not the leader: ask the leader", .0.as_str())]
+    NotLeader(Role),
+    /// Repo sync is off here.
+    #[error("repo sync is off on this replica (FIREKEEPER_RESYNC=false)")]
+    ResyncOff,
+}
+
 /// A snapshot of the consumer.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Status {
@@ -298,6 +309,34 @@ impl StatusHandle {
         self.0.desync.list()
     }
 
+    /// Queues the resyncs an operator asked for (`POST /repos/resync`), each kept in the
+    /// store by the resync worker, fenced by the term: only the leader, with repo sync on.
+    pub fn request_resync(&self, repos: &[String]) -> Result<Vec<crate::verify::Requested>, NotNow> {
+        let role = self.snapshot().role;
+        if role != Role::Leader {
+            return Err(NotNow::NotLeader(role));
+        }
+        if !self.0.desync.resyncs() {
+            return Err(NotNow::ResyncOff);
+        }
+        Ok(repos.iter().map(|r| self.0.desync.request(r)).collect())
+    }
+
+    /// Waits until every one of `repos` has its state kept by the store, at most `within`;
+    /// true when all were.
+    pub async fn kept(&self, repos: &[String], within: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if repos.iter().all(|r| self.0.desync.is_kept(r)) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     pub(crate) fn desync(&self) -> Arc<crate::verify::Desync> {
         self.0.desync.clone()
     }
@@ -340,5 +379,21 @@ impl StatusHandle {
         if let Ok(mut g) = self.0.term.lock() {
             *g = t;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the leader takes an operator's resync request; a standby (or a starting
+    /// replica) names its role, and a leader without repo sync says so.
+    #[test]
+    fn only_a_leader_with_repo_sync_takes_a_resync_request() {
+        let s = StatusHandle::default();
+        let dids = ["did:plc:a".to_owned()];
+        assert_eq!(s.request_resync(&dids), Err(NotNow::NotLeader(Role::Starting)));
+        assert!(NotNow::NotLeader(Role::Standby).to_string().contains("standby, not the leader"));
+        assert!(s.desynchronized().is_empty(), "nothing queued");
     }
 }

@@ -267,6 +267,37 @@ pub struct Desync {
     retry: Mutex<(i64, i64, u32)>,
     /// How much of the backfill list is queued (kept under [`BACKFILL_KEY`]).
     backfilled: AtomicUsize,
+    /// Repos an operator asked to resync, for the worker to keep in the store.
+    requests: Mutex<Vec<String>>,
+}
+
+/// What an operator's resync request did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requested {
+    /// Queued (it had no entry).
+    Queued,
+    /// It was queued already: now due at once.
+    Sooner,
+    /// It was `gone` or `failed`: queued again, its attempts reset.
+    Restarted,
+    /// A resync of it is in flight: it is fetched again once that lands.
+    Again,
+    /// The queue is full (it lists at most 100,000 repos): not queued.
+    Full,
+}
+
+impl Requested {
+    /// The word `/repos/resync` answers with.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Sooner => "due now",
+            Self::Restarted => "queued again",
+            Self::Again => "again after the one in flight",
+            Self::Full => "refused: the queue is full",
+        }
+    }
 }
 
 /// The store entry that keeps the backfill list's position (not a repo).
@@ -370,6 +401,71 @@ impl Desync {
         }
         self.mark_repo(0, repo, reason, None);
         true
+    }
+
+    /// Queues `repo`'s resync because an operator asked: a new entry is due now; a queued
+    /// one is brought forward; a `gone` or `failed` one starts over; one in flight is
+    /// fetched again once it lands. The worker keeps it in the store (fenced).
+    pub(crate) fn request(&self, repo: &str) -> Requested {
+        let now = now_ms();
+        let done = {
+            let Ok(mut r) = self.repos.lock() else { return Requested::Full };
+            let max = self.max.load(Ordering::Relaxed);
+            if let Some(d) = r.get_mut(repo) {
+                match d.state {
+                    state::RESYNCING => {
+                        d.again = Again::Always;
+                        Requested::Again
+                    }
+                    state::QUEUED => {
+                        d.due = d.due.min(now);
+                        Requested::Sooner
+                    }
+                    _ => {
+                        d.state = state::QUEUED;
+                        d.reason = crate::resync::reason::OPERATOR;
+                        d.attempts = 0;
+                        d.due = now;
+                        Requested::Restarted
+                    }
+                }
+            } else if r.len() < max || max == 0 {
+                let d = Desynced {
+                    repo: repo.to_owned(),
+                    seq: 0,
+                    reason: crate::resync::reason::OPERATOR,
+                    rev: None,
+                    since: now,
+                    state: state::QUEUED,
+                    attempts: 0,
+                    due: now,
+                    again: Again::No,
+                };
+                r.insert(repo.to_owned(), d);
+                self.len.store(r.len(), Ordering::Relaxed);
+                metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
+                Requested::Queued
+            } else {
+                return Requested::Full;
+            }
+        };
+        self.set_dirty(repo);
+        if let Ok(mut q) = self.requests.lock() {
+            q.push(repo.to_owned());
+        }
+        self.queued.notify_one();
+        done
+    }
+
+    /// The repos operators asked for since the worker last kept them.
+    pub(crate) fn take_requests(&self) -> Vec<String> {
+        self.requests.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default()
+    }
+
+    /// True when `repo`'s state is what the store holds (nothing waits to be written).
+    #[must_use]
+    pub fn is_kept(&self, repo: &str) -> bool {
+        !self.is_dirty(repo)
     }
 
     /// How many repos wait, queued.
@@ -1051,6 +1147,39 @@ mod tests {
         assert!(d.take_due(i64::MAX, 1).is_empty());
         d.mark_repo(9, "did:plc:a", "reactivated", None);
         assert_eq!(d.take_due(now_ms(), 1), vec![("did:plc:a".to_owned(), "reactivated")]);
+    }
+
+    /// An operator's request: a new repo is queued due now, a failed one starts over
+    /// with its attempts reset, one in flight is fetched again after it lands, a queued
+    /// one is brought forward; each waits to be kept by the store.
+    #[test]
+    fn an_operator_request_queues_restarts_or_repeats() {
+        let d = queue();
+        assert_eq!(d.request("did:plc:new"), super::Requested::Queued);
+        assert!(!d.is_kept("did:plc:new"));
+        assert_eq!(d.take_requests(), vec!["did:plc:new".to_owned()]);
+        assert_eq!(d.take_due(now_ms(), 1), vec![("did:plc:new".to_owned(), crate::resync::reason::OPERATOR)]);
+        assert_eq!(d.request("did:plc:new"), super::Requested::Again, "in flight");
+        d.finish("did:plc:new", Outcome::Done(Some(u64::MAX)));
+        assert_eq!(state_of(&d, "did:plc:new"), Some(state::QUEUED), "fetched again after the one in flight");
+        assert_eq!(d.take_due(now_ms(), 1).len(), 1);
+        d.finish("did:plc:new", Outcome::Done(Some(u64::MAX)));
+        assert_eq!(state_of(&d, "did:plc:new"), None, "then synchronised");
+        d.mark_repo(1, "did:plc:f", "chain", None);
+        for _ in 0..3 {
+            assert_eq!(d.take_due(i64::MAX, 1).len(), 1);
+            d.finish("did:plc:f", Outcome::Failed);
+        }
+        assert_eq!(state_of(&d, "did:plc:f"), Some(state::FAILED));
+        assert_eq!(d.request("did:plc:f"), super::Requested::Restarted);
+        assert_eq!(d.take_due(now_ms(), 2).iter().filter(|t| t.0 == "did:plc:f").count(), 1, "due now");
+        assert_eq!(d.list().iter().find(|x| x.repo == "did:plc:f").map(|x| x.attempts), Some(0));
+        d.mark_repo(2, "did:plc:q", "chain", None);
+        assert!(d.take_due(now_ms(), 4).iter().any(|t| t.0 == "did:plc:q"));
+        d.finish("did:plc:q", Outcome::Later(now_ms() + 3_600_000));
+        assert!(!d.take_due(now_ms(), 4).iter().any(|t| t.0 == "did:plc:q"), "waits an hour");
+        assert_eq!(d.request("did:plc:q"), super::Requested::Sooner);
+        assert!(d.take_due(now_ms(), 4).iter().any(|t| t.0 == "did:plc:q"), "brought forward");
     }
 
     #[test]
