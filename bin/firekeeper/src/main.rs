@@ -76,10 +76,12 @@ fn finish(r: Result<()>, json: bool) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let hint = advice::advice(&e);
+    // The whole chain, each cause once (a library error's message already holds its own).
+    let said = causes::Report(e.as_ref()).to_string();
     if json {
-        tracing::error!(error = %format!("{e:#}"), hint, "firekeeper stopped with an error");
+        tracing::error!(error = %said, hint, "firekeeper stopped with an error");
     } else {
-        eprintln!("firekeeper: {e:#}");
+        eprintln!("firekeeper: {said}");
         if let Some(h) = hint {
             eprintln!("  what to do: {h}");
         }

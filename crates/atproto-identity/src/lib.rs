@@ -11,7 +11,8 @@ use serde_json::Value;
 /// Why a DID document gives no usable identity.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DocError {
-    /// Not a JSON object.
+    /// Not a JSON object. The parser's message as text: a document's errors are cached
+    /// and cloned with the resolution (`ResolveError` is `Clone`).
     #[error("the DID document is not a JSON object: {0}")]
     Json(String),
     /// The document is another DID's.

@@ -87,7 +87,8 @@ impl Default for ResolverConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
     /// The directory or host failed (connection, timeout, 5xx, garbage), is in its
-    /// backoff, or has no permit free: try again later.
+    /// backoff, or has no permit free: try again later. A message, not the HTTP client's
+    /// error (which names the URL); resolutions and their failures are cached and cloned.
     #[error("the DID directory is unavailable: {0}")]
     Unavailable(String),
     /// The directory or host answered that it does not know the DID (404/410).
@@ -96,7 +97,8 @@ pub enum ResolveError {
     /// The document was served but gives no usable identity.
     #[error(transparent)]
     Document(#[from] DocError),
-    /// The host is not reachable by policy (not a public address) or served too much.
+    /// The host is not reachable by policy (not a public address) or served too much (a
+    /// message, for the reason given at `Unavailable`).
     #[error("the DID document was not fetched: {0}")]
     Refused(String),
     /// Not a `did:plc` or `did:web`.

@@ -25,7 +25,7 @@ use atproto_data::cid::Cid;
 pub enum CommitError {
     /// The CAR slice does not parse.
     #[error("the event's CAR does not parse: {0}")]
-    Car(String),
+    Car(#[source] atproto_data::DecodeError),
     /// The CAR's roots are not exactly the commit.
     #[error("the CAR's root is not the commit the event names")]
     Root,
@@ -148,7 +148,7 @@ pub fn check_commit<'a>(
     repo: &str,
     key: &PublicKey,
 ) -> Result<Commit<'a>, CommitError> {
-    let car = Car::parse(blocks, false).map_err(|e| CommitError::Car(e.to_string()))?;
+    let car = Car::parse(blocks, false).map_err(CommitError::Car)?;
     check_commit_in(&car, expected, repo, key)
 }
 

@@ -49,14 +49,17 @@ pub enum CommitOutcome {
 pub enum StoreError {
     /// The store could not be reached, timed out, or refused. Fail closed: never start a
     /// subscription on an unknown cursor.
-    #[error("cursor store unavailable: {0}")]
-    Unavailable(String),
+    #[error("cursor store unavailable: {}", causes::Report(.0.as_ref()))]
+    Unavailable(#[source] causes::Cause),
     /// The store answered something no script returns.
     #[error("cursor store answered nonsense: {0}")]
     Protocol(String),
     /// A cursor out of range was passed in.
     #[error("cursor {0} is above 2^53-1")]
     OutOfRange(u64),
+    /// `DATABASE_URL` cannot be a Postgres connection string.
+    #[error("DATABASE_URL is not a Postgres connection string: {}", causes::Report(.0.as_ref()))]
+    InvalidUrl(#[source] causes::Cause),
     /// A legacy host-keyed cursor exists for a relay URL with a path, where the host key
     /// cannot tell which path it belonged to.
     #[error(

@@ -30,14 +30,14 @@ struct Files {
     lock: Mutex<()>,
 }
 
-fn io(what: &str, path: &Path, e: &std::io::Error) -> StoreError {
-    StoreError::Unavailable(format!("{what} {}: {e}", path.display()))
+fn io(what: &str, path: &Path, e: std::io::Error) -> StoreError {
+    StoreError::Unavailable(causes::io_while(format!("{what} {}", path.display()), e))
 }
 
 impl FileStore {
     /// Cursors under `dir`, fenced by the lease lock file `lease_file`.
     pub fn new(dir: &Path, lease_file: &Path) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, &e))?;
+        std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, e))?;
         let files = Files { dir: dir.to_owned(), lease_file: lease_file.to_owned(), lock: Mutex::new(()) };
         Ok(Self { files: Arc::new(files) })
     }
@@ -53,7 +53,7 @@ impl FileStore {
             op(&files)
         })
         .await
-        .map_err(|e| StoreError::Unavailable(format!("file store task: {e}")))?
+        .map_err(|e| StoreError::Unavailable(Box::new(e)))?
     }
 
     /// The one fenced cursor write ([`crate::CursorStore::write`]), as lease holder
@@ -116,7 +116,7 @@ impl Files {
                 Ok(out)
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(ReadOutcome::Missing),
-            Err(e) => Err(io("reading", &p, &e)),
+            Err(e) => Err(io("reading", &p, e)),
         }
     }
 
@@ -124,7 +124,7 @@ impl Files {
         match std::fs::read_to_string(&self.lease_file) {
             Ok(s) => Ok(Some(s.trim().to_owned())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io("reading", &self.lease_file, &e)),
+            Err(e) => Err(io("reading", &self.lease_file, e)),
         }
     }
 
@@ -149,7 +149,7 @@ impl Files {
         let text = match std::fs::read_to_string(&p) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
-            Err(e) => return Err(io("reading", &p, &e)),
+            Err(e) => return Err(io("reading", &p, e)),
         };
         let mut map: std::collections::BTreeMap<&str, &str> = std::collections::BTreeMap::new();
         let mut lines = 0;
@@ -169,10 +169,9 @@ impl Files {
     /// Appends one change durably (fsync).
     fn append_repo(&self, did: &str, value: &str) -> Result<(), StoreError> {
         let p = self.repos_path();
-        let mut f =
-            std::fs::OpenOptions::new().create(true).append(true).open(&p).map_err(|e| io("opening", &p, &e))?;
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&p).map_err(|e| io("opening", &p, e))?;
         let line = format!("{did}\t{value}\n");
-        f.write_all(line.as_bytes()).and_then(|()| f.sync_data()).map_err(|e| io("appending to", &p, &e))
+        f.write_all(line.as_bytes()).and_then(|()| f.sync_data()).map_err(|e| io("appending to", &p, e))
     }
 
     fn replace(&self, fingerprint: &str, cursor: u64) -> Result<(), StoreError> {
@@ -187,10 +186,10 @@ impl Files {
         let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let p = self.dir.join(name);
         let tmp = self.dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
-        let mut f = File::create(&tmp).map_err(|e| io("creating", &tmp, &e))?;
-        f.write_all(contents.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing", &tmp, &e))?;
-        std::fs::rename(&tmp, &p).map_err(|e| io("renaming", &p, &e))?;
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing", &self.dir, &e))
+        let mut f = File::create(&tmp).map_err(|e| io("creating", &tmp, e))?;
+        f.write_all(contents.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| io("writing", &tmp, e))?;
+        std::fs::rename(&tmp, &p).map_err(|e| io("renaming", &p, e))?;
+        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing", &self.dir, e))
     }
 
     fn read_file(&self, name: &str) -> Result<Option<String>, StoreError> {
@@ -198,7 +197,7 @@ impl Files {
         match std::fs::read_to_string(&p) {
             Ok(s) => Ok(Some(s.trim().to_owned())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io("reading", &p, &e)),
+            Err(e) => Err(io("reading", &p, e)),
         }
     }
 
@@ -222,7 +221,7 @@ impl Files {
         match std::fs::remove_file(&p) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io("removing", &p, &e)),
+            Err(e) => Err(io("removing", &p, e)),
         }
     }
 }

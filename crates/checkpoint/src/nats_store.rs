@@ -31,7 +31,7 @@ const CAS_TRIES: usize = 8;
 
 impl From<NatsError> for StoreError {
     fn from(e: NatsError) -> Self {
-        Self::Unavailable(e.to_string())
+        Self::Unavailable(Box::new(e))
     }
 }
 
@@ -207,7 +207,7 @@ impl NatsStore {
                 return Ok(CommitOutcome::Saved);
             }
         }
-        Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while committing")))
+        Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while committing").into()))
     }
 
     /// Sets or clears a repo's state as `<token> <value>`: refused for a token below
@@ -240,7 +240,7 @@ impl NatsStore {
                 return Ok(CommitOutcome::Saved);
             }
         }
-        Err(StoreError::Unavailable(format!("the state of {did} kept changing while writing it")))
+        Err(StoreError::Unavailable(format!("the state of {did} kept changing while writing it").into()))
     }
 
     /// Records the relay the leader is on (after a saved commit), fenced the same way.
@@ -284,7 +284,7 @@ impl NatsStore {
                 return Ok(None);
             }
         }
-        Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while claiming it")))
+        Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while claiming it").into()))
     }
 }
 
@@ -358,7 +358,7 @@ impl crate::CursorStore for NatsStore {
                 return Ok(());
             }
         }
-        Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while setting it")))
+        Err(StoreError::Unavailable(format!("cursor of {fingerprint} kept changing while setting it").into()))
     }
 
     async fn on_elected(&self, fence: Fence<'_>, relays: &[RelayKey<'_>]) -> Result<(), StoreError> {

@@ -74,11 +74,10 @@ pub async fn migrate(client: &Client, sql: &str) -> Result<(), tokio_postgres::E
 }
 
 async fn open(url: &str, timeout: Duration) -> Result<Client, StoreError> {
-    let (client, conn) =
-        within(timeout, async { tokio_postgres::connect(url, NoTls).await.map_err(|e| pg(&e)) }).await?;
+    let (client, conn) = within(timeout, async { tokio_postgres::connect(url, NoTls).await.map_err(pg) }).await?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
-            tracing::warn!(error = %e, "postgres connection ended");
+            tracing::warn!(error = %causes::Report(&e), "postgres connection ended");
         }
     });
     Ok(client)
@@ -91,8 +90,7 @@ impl PgConn {
     /// until it can, so the caller waits for Postgres as for any store (not ready, the
     /// reason named). A URL that cannot be a connection string is an error.
     pub async fn connect(url: &str, connect_timeout: Duration, migration: &str) -> Result<Self, StoreError> {
-        url.parse::<tokio_postgres::Config>()
-            .map_err(|e| StoreError::Protocol(format!("DATABASE_URL is not a Postgres connection string: {e}")))?;
+        url.parse::<tokio_postgres::Config>().map_err(|e| StoreError::InvalidUrl(Box::new(e)))?;
         let conn = Self {
             url: url.to_owned(),
             connect_timeout,
@@ -101,7 +99,7 @@ impl PgConn {
             reconnects: std::sync::atomic::AtomicU64::new(0),
         };
         if let Err(e) = conn.client().await {
-            tracing::warn!(error = %e, "cannot use Postgres at start; connecting again on each use until it answers");
+            tracing::warn!(error = %causes::Report(&e), "cannot use Postgres at start; connecting again on each use until it answers");
         }
         Ok(conn)
     }
@@ -116,7 +114,7 @@ impl PgConn {
             let pending = self.migration.lock().ok().and_then(|m| m.clone());
             if let Some(sql) = pending {
                 within(self.connect_timeout.max(Duration::from_secs(30)), async {
-                    migrate(&c, &sql).await.map_err(|e| pg(&e))
+                    migrate(&c, &sql).await.map_err(pg)
                 })
                 .await?;
                 if let Ok(mut m) = self.migration.lock() {
@@ -139,13 +137,10 @@ impl PgConn {
     }
 }
 
-fn pg(e: &tokio_postgres::Error) -> StoreError {
+fn pg(e: tokio_postgres::Error) -> StoreError {
     // Neither the error's Display nor its cause includes the connection string; the
     // cause says what the server or the socket said ("password authentication failed").
-    match std::error::Error::source(e) {
-        Some(cause) => StoreError::Unavailable(format!("{e}: {cause}")),
-        None => StoreError::Unavailable(e.to_string()),
-    }
+    StoreError::Unavailable(Box::new(e))
 }
 
 fn as_i64(v: u64) -> i64 {
@@ -157,7 +152,9 @@ fn as_u64(v: i64, what: &str) -> Result<u64, StoreError> {
 }
 
 async fn within<T>(d: Duration, f: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-    tokio::time::timeout(d, f).await.unwrap_or_else(|_| Err(StoreError::Unavailable(format!("timed out after {d:?}"))))
+    tokio::time::timeout(d, f)
+        .await
+        .unwrap_or_else(|_| Err(StoreError::Unavailable(format!("timed out after {d:?}").into())))
 }
 
 impl PostgresStore {
@@ -173,7 +170,7 @@ impl PostgresStore {
     async fn fence_token(&self) -> Result<u64, StoreError> {
         within(self.op_timeout, async {
             let c = self.conn.client().await?;
-            let row = c.query_opt("SELECT token FROM firekeeper_fence WHERE id", &[]).await.map_err(|e| pg(&e))?;
+            let row = c.query_opt("SELECT token FROM firekeeper_fence WHERE id", &[]).await.map_err(pg)?;
             row.map_or(Ok(0), |r| as_u64(r.get(0), "fence token"))
         })
         .await
@@ -183,9 +180,9 @@ impl PostgresStore {
     async fn claim(&self, token: u64) -> Result<CommitOutcome, StoreError> {
         within(self.op_timeout, async {
             let mut c = self.conn.client().await?;
-            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let tx = c.transaction().await.map_err(pg)?;
             let out = raise_fence(&tx, token).await?;
-            tx.commit().await.map_err(|e| pg(&e))?;
+            tx.commit().await.map_err(pg)?;
             Ok(out.map_or(CommitOutcome::Saved, |current| CommitOutcome::Fenced { current: Some(current) }))
         })
         .await
@@ -220,13 +217,12 @@ impl PostgresStore {
                      time_ms = EXCLUDED.time_ms, updated_at = now()"
             }
         };
-        let n =
-            tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token), &time_ms]).await.map_err(|e| pg(&e))?;
+        let n = tx.execute(sql, &[&fingerprint, &as_i64(cursor), &as_i64(token), &time_ms]).await.map_err(pg)?;
         if n == 0 {
             let stored: i64 = tx
                 .query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
                 .await
-                .map_err(|e| pg(&e))?
+                .map_err(pg)?
                 .get(0);
             return Ok(CommitOutcome::NotNewer { stored: as_u64(stored, "cursor")? });
         }
@@ -237,7 +233,7 @@ impl PostgresStore {
                 &[&fingerprint, &as_i64(token)],
             )
             .await
-            .map_err(|e| pg(&e))?;
+            .map_err(pg)?;
         }
         Ok(CommitOutcome::Saved)
     }
@@ -257,15 +253,15 @@ impl PostgresStore {
 async fn raise_fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
     tx.execute("INSERT INTO firekeeper_fence (id, token) VALUES (true, 0) ON CONFLICT (id) DO NOTHING", &[])
         .await
-        .map_err(|e| pg(&e))?;
+        .map_err(pg)?;
     let current: i64 =
-        tx.query_one("SELECT token FROM firekeeper_fence WHERE id FOR UPDATE", &[]).await.map_err(|e| pg(&e))?.get(0);
+        tx.query_one("SELECT token FROM firekeeper_fence WHERE id FOR UPDATE", &[]).await.map_err(pg)?.get(0);
     let current = as_u64(current, "fence token")?;
     if token < current {
         return Ok(Some(current));
     }
     if token > current {
-        tx.execute("UPDATE firekeeper_fence SET token = $1 WHERE id", &[&as_i64(token)]).await.map_err(|e| pg(&e))?;
+        tx.execute("UPDATE firekeeper_fence SET token = $1 WHERE id", &[&as_i64(token)]).await.map_err(pg)?;
     }
     Ok(None)
 }
@@ -287,7 +283,7 @@ impl crate::CursorStore for PostgresStore {
     async fn write_repo(&self, w: crate::RepoWrite<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
         within(self.op_timeout, async {
             let mut c = self.conn.client().await?;
-            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let tx = c.transaction().await.map_err(pg)?;
             if let Some(current) = raise_fence(&tx, fence.token).await? {
                 return Ok(CommitOutcome::Fenced { current: Some(current) });
             }
@@ -299,10 +295,10 @@ impl crate::CursorStore for PostgresStore {
                         &[&w.did, &v, &as_i64(fence.token)],
                     )
                     .await
-                    .map_err(|e| pg(&e))?,
-                None => tx.execute("DELETE FROM firekeeper_repos WHERE did = $1", &[&w.did]).await.map_err(|e| pg(&e))?,
+                    .map_err(pg)?,
+                None => tx.execute("DELETE FROM firekeeper_repos WHERE did = $1", &[&w.did]).await.map_err(pg)?,
             };
-            tx.commit().await.map_err(|e| pg(&e))?;
+            tx.commit().await.map_err(pg)?;
             Ok(CommitOutcome::Saved)
         })
         .await
@@ -311,8 +307,7 @@ impl crate::CursorStore for PostgresStore {
     async fn repos(&self) -> Result<Vec<(String, String)>, StoreError> {
         within(self.op_timeout.max(Duration::from_secs(30)), async {
             let c = self.conn.client().await?;
-            let rows =
-                c.query("SELECT did, state FROM firekeeper_repos ORDER BY did", &[]).await.map_err(|e| pg(&e))?;
+            let rows = c.query("SELECT did, state FROM firekeeper_repos ORDER BY did", &[]).await.map_err(pg)?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
         .await
@@ -324,7 +319,7 @@ impl crate::CursorStore for PostgresStore {
             let row = c
                 .query_opt("SELECT cursor FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
                 .await
-                .map_err(|e| pg(&e))?;
+                .map_err(pg)?;
             match row {
                 None => Ok(ReadOutcome::Missing),
                 Some(r) => {
@@ -342,9 +337,9 @@ impl crate::CursorStore for PostgresStore {
     async fn write(&self, w: crate::Write<'_>, fence: crate::Fence<'_>) -> Result<CommitOutcome, StoreError> {
         within(self.op_timeout, async {
             let mut c = self.conn.client().await?;
-            let tx = c.transaction().await.map_err(|e| pg(&e))?;
+            let tx = c.transaction().await.map_err(pg)?;
             let out = Self::write_in(&tx, w, fence).await?;
-            tx.commit().await.map_err(|e| pg(&e))?;
+            tx.commit().await.map_err(pg)?;
             Ok(out)
         })
         .await
@@ -356,7 +351,7 @@ impl crate::CursorStore for PostgresStore {
             let row = c
                 .query_opt("SELECT time_ms FROM firekeeper_cursors WHERE relay = $1", &[&fingerprint])
                 .await
-                .map_err(|e| pg(&e))?;
+                .map_err(pg)?;
             Ok(row.and_then(|r| r.get::<_, Option<i64>>(0)))
         })
         .await
@@ -365,8 +360,7 @@ impl crate::CursorStore for PostgresStore {
     async fn active_relay(&self) -> Result<Option<String>, StoreError> {
         within(self.op_timeout, async {
             let c = self.conn.client().await?;
-            let row =
-                c.query_opt("SELECT relay FROM firekeeper_active_relay WHERE id", &[]).await.map_err(|e| pg(&e))?;
+            let row = c.query_opt("SELECT relay FROM firekeeper_active_relay WHERE id", &[]).await.map_err(pg)?;
             Ok(row.map(|r| r.get(0)))
         })
         .await
@@ -382,7 +376,7 @@ impl crate::CursorStore for PostgresStore {
                 &[&fingerprint, &as_i64(cursor)],
             )
             .await
-            .map_err(|e| pg(&e))?;
+            .map_err(pg)?;
             Ok(())
         })
         .await

@@ -143,7 +143,7 @@ pub struct RedisStore {
 
 #[allow(clippy::needless_pass_by_value)] // the shape `map_err` wants
 fn err(e: OpError) -> StoreError {
-    StoreError::Unavailable(e.to_string())
+    StoreError::Unavailable(Box::new(e))
 }
 
 impl RedisStore {

@@ -28,6 +28,23 @@ async fn the_file_write_seam_advances_rewinds_and_fences() {
     assert_eq!(checkpoint::CursorStore::repos(&again).await.expect("repos").len(), 2);
 }
 
+/// A file store that cannot write keeps the I/O error as the cause (its kind can be
+/// asked), and says what it was doing and where.
+#[tokio::test]
+async fn a_file_store_error_keeps_its_io_cause() {
+    let dir = tmpdir("io-cause");
+    let lease = dir.join("lease");
+    std::fs::write(&lease, "x:3").expect("lease");
+    let s = FileStore::new(&dir.join("c"), &lease).expect("store");
+    // The cursor's file is a directory: it cannot be written.
+    std::fs::create_dir_all(dir.join("c").join(format!("cursor-{FP}"))).expect("dir");
+    let e = s.write(Write::advance(FP, 5, None), Fence { holder: "x:3", token: 3 }).await.expect_err("not writable");
+    let StoreError::Unavailable(cause) = &e else { panic!("{e:?}") };
+    let io = cause.downcast_ref::<causes::While>().map(|w| w.source.kind());
+    assert!(io.is_some(), "{cause:?}");
+    assert!(e.to_string().contains(&format!("cursor-{FP}")), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_postgres_write_seam_advances_rewinds_and_fences() {
     let pg = PgServer::start();

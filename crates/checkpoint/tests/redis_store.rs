@@ -140,7 +140,13 @@ async fn unavailable_redis_fails_closed() {
     assert!(matches!(s.commit(FP, 1, "a:1").await, Err(StoreError::Unavailable(_))));
     redis.resume();
     redis.kill();
-    assert!(matches!(s.read(FP).await, Err(StoreError::Unavailable(_))));
+    // The cause is kept, typed: the Redis client's own (credential-safe) error, and the
+    // message still says why.
+    let e = s.read(FP).await.expect_err("down");
+    let StoreError::Unavailable(cause) = &e else { panic!("{e:?}") };
+    assert!(cause.downcast_ref::<redis_op::OpError>().is_some(), "{cause:?}");
+    assert!(std::error::Error::source(&e).is_some());
+    assert!(e.to_string().starts_with("cursor store unavailable: redis"), "{e}");
     redis.restart();
     assert_eq!(
         s.read(FP).await.map_err(|e| e.to_string()),

@@ -10,6 +10,15 @@ pub enum Error {
     /// The builder is missing a part or holds a bad value.
     #[error("consumer not configured: {0}")]
     Config(String),
+    /// A part could not be built from its settings (the DID resolver, an HTTP client).
+    #[error("consumer not configured: {what}: {}", causes::Report(.source.as_ref()))]
+    Setup {
+        /// Which part.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: causes::Cause,
+    },
     /// The lease timings are invalid.
     #[error(transparent)]
     Lease(#[from] lease::ConfigError),

@@ -493,7 +493,7 @@ impl Lane {
             }
             match self.handler.snapshot(&s.snapshot, &self.ctx).await {
                 Err(e @ HandlerError::Failed { .. }) => {
-                    if let Err(e) = self.back_off(&e, &mut backoff, s.snapshot.events()).await {
+                    if let Err(e) = self.back_off(e, &mut backoff, s.snapshot.events()).await {
                         break Err(e);
                     }
                 }
@@ -653,7 +653,7 @@ impl Lane {
         loop {
             match self.handler.submit(batch, &self.ctx).await {
                 Ok(p) => return Ok(p),
-                Err(e @ HandlerError::Failed { .. }) => self.back_off(&e, &mut backoff, batch.len()).await?,
+                Err(e @ HandlerError::Failed { .. }) => self.back_off(e, &mut backoff, batch.len()).await?,
                 Err(e) => return Err(e),
             }
         }
@@ -665,7 +665,7 @@ impl Lane {
         let mut backoff = Backoff::new(RETRY);
         let mut err = first;
         loop {
-            self.back_off(&err, &mut backoff, batch.len()).await?;
+            self.back_off(err, &mut backoff, batch.len()).await?;
             match self.submit(batch).await?.await {
                 Ok(()) => return Ok(()),
                 Err(e @ HandlerError::Failed { .. }) => err = e,
@@ -747,13 +747,13 @@ impl Lane {
                 r => return r,
             };
             let refused = HandlerError::failed(
-                "sink",
                 format!(
-                    "the downstream refuses even the #invalid placeholder of seq {seq} ({source}): it refuses \
-                     more than this record; offering the event and its placeholder again"
+                    "sink: the downstream refuses even the #invalid placeholder of seq {seq}: it refuses more than \
+                     this record; offering the event and its placeholder again"
                 ),
+                source,
             );
-            self.back_off(&refused, &mut backoff, 1).await?;
+            self.back_off(refused, &mut backoff, 1).await?;
             e.clear_invalid();
             self.rerender(e, scratch);
             match self.write_whole(std::slice::from_ref(e)).await {
@@ -772,7 +772,7 @@ impl Lane {
 
     /// Counts and logs a failed write, then waits out the backoff (`Cancelled` when the
     /// term ends first).
-    async fn back_off(&self, e: &HandlerError, backoff: &mut Backoff, events: usize) -> Result<(), HandlerError> {
+    async fn back_off(&self, e: HandlerError, backoff: &mut Backoff, events: usize) -> Result<(), HandlerError> {
         metrics::counter!(m::SINK_ERRORS).increment(1);
         self.status.sink_failed(&e.to_string());
         let failed = self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
@@ -780,7 +780,7 @@ impl Lane {
             && failed >= limit
         {
             tracing::error!(error = %e, failed, "the sink failed this many writes in a row: giving up the term, so that a replica with its own connection may take over");
-            return Err(HandlerError::failed("sink", format!("{failed} failed writes in a row; the last: {e}")));
+            return Err(HandlerError::failed(format!("sink: {failed} failed writes in a row; the last"), e));
         }
         let delay = backoff.next_delay();
         tracing::warn!(error = %e, retry_ms = delay.as_millis() as u64, events, "sink write failed; retrying");

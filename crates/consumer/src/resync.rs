@@ -116,13 +116,13 @@ impl Resyncer {
         let allow_private = resolver.allow_private;
         // The resolver installs the process's TLS provider, which the client needs.
         let resolver = Resolver::new(resolver)
-            .map_err(|e| crate::error::Error::Config(format!("repo sync: the resolver: {e}")))?;
+            .map_err(|e| crate::error::Error::Setup { what: "repo sync: the resolver", source: Box::new(e) })?;
         let guard = guarded_http::Guard { allow_private, max_redirects: 3 };
         let client = guarded_http::Client::new(
             guard,
             reqwest::Client::builder().user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION"))),
         )
-        .map_err(|e| crate::error::Error::Config(format!("repo sync: the HTTP client: {e}")))?;
+        .map_err(|e| crate::error::Error::Setup { what: "repo sync: the HTTP client", source: Box::new(e) })?;
         Ok(Self { resolver, client, opts, filter })
     }
 

@@ -94,7 +94,7 @@ impl Consumer {
         });
         let lanes = if handler.commits_cursor() { 1 } else { settings.options.lanes };
         let verifier = verify::Verifier::new(&settings.options.verify, lanes, status.desync())
-            .map_err(|e| Error::Config(format!("verification: {e}")))?
+            .map_err(|e| Error::Setup { what: "verification", source: Box::new(e) })?
             .map(Arc::new);
         let resyncer = resyncer(&settings, &*handler, &status)?;
         let desync = (verifier.is_some() || resyncer.is_some()).then(|| status.desync());

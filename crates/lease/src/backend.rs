@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+pub use causes::{Cause, Report, While};
+
 /// Why a backend call failed. All of these are "outcome unknown": the supervisor keeps
 /// leading until its deadline and tries again.
 #[derive(Debug, thiserror::Error)]
@@ -13,8 +15,8 @@ pub enum BackendError {
     #[error("lease store call timed out after {0:?}")]
     Timeout(Duration),
     /// The store could not be reached or refused the command (e.g. an ACL denial).
-    #[error("lease store unavailable: {0}")]
-    Unavailable(String),
+    #[error("lease store unavailable: {}", causes::Report(.0.as_ref()))]
+    Unavailable(#[source] Cause),
     /// The store answered something no script returns.
     #[error("lease store answered nonsense: {0}")]
     Protocol(String),

@@ -28,7 +28,7 @@ pub mod supervisor;
 
 /// Implementors of [`Backend`] outside this crate use the same attribute.
 pub use async_trait::async_trait;
-pub use backend::{Acquire, Backend, BackendError, Renew, Snapshot};
+pub use backend::{Acquire, Backend, BackendError, Cause, Renew, Report, Snapshot, While};
 pub use clock::{BootClock, Clock, OffsetClock, TokioClock};
 pub use config::{ConfigError, LeaseConfig};
 pub use local::LocalBackend;

@@ -21,8 +21,8 @@ pub struct LocalBackend {
     released: Arc<Notify>,
 }
 
-fn io(what: &str, e: &std::io::Error) -> BackendError {
-    BackendError::Unavailable(format!("{what}: {e}"))
+fn io(what: &str, e: std::io::Error) -> BackendError {
+    BackendError::Unavailable(causes::io_while(what, e))
 }
 
 impl LocalBackend {
@@ -47,7 +47,7 @@ impl LocalBackend {
         match std::fs::read_to_string(&self.fence_path) {
             Ok(s) => s.trim().parse().map_err(|_| BackendError::Protocol(format!("fence file holds {s:?}"))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
-            Err(e) => Err(io("reading fence file", &e)),
+            Err(e) => Err(io("reading fence file", e)),
         }
     }
 
@@ -93,7 +93,7 @@ impl Backend for LocalBackend {
             .create(true)
             .truncate(false)
             .open(&self.lock_path)
-            .map_err(|e| io("opening lock file", &e))?;
+            .map_err(|e| io("opening lock file", e))?;
         match f.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -103,7 +103,7 @@ impl Backend for LocalBackend {
                 // so there is no expiry to wait out once it is free.
                 return Ok(Acquire::Held { holder: s.trim().to_owned(), expires_in: Some(Duration::ZERO) });
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(io("locking lock file", &e)),
+            Err(std::fs::TryLockError::Error(e)) => return Err(io("locking lock file", e)),
         }
         let token = self.read_fence()?.max(floor) + 1;
         self.write_fence(token)?;
@@ -112,7 +112,7 @@ impl Backend for LocalBackend {
             .and_then(|()| f.seek(SeekFrom::Start(0)))
             .and_then(|_| f.write_all(value.as_bytes()))
             .and_then(|()| f.sync_all())
-            .map_err(|e| io("writing lock file", &e))?;
+            .map_err(|e| io("writing lock file", e))?;
         *held = Some((f, value));
         Ok(Acquire::Acquired { token })
     }
@@ -163,7 +163,7 @@ impl Backend for LocalBackend {
                 BackendError::Protocol(format!("{} is not <token>\\n<settings>", self.deployment_path.display()))
             }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io("reading the settings record", &e)),
+            Err(e) => Err(io("reading the settings record", e)),
         }
     }
 
@@ -182,11 +182,11 @@ fn write_durably(path: &Path, bytes: &[u8], what: &str) -> Result<(), BackendErr
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    let mut f = File::create(&tmp).map_err(|e| io(&format!("writing {what}"), &e))?;
-    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| io(&format!("writing {what}"), &e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(&format!("renaming {what}"), &e))?;
+    let mut f = File::create(&tmp).map_err(|e| io(&format!("writing {what}"), e))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| io(&format!("writing {what}"), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(&format!("renaming {what}"), e))?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing lease directory", &e))?;
+        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("syncing lease directory", e))?;
     }
     Ok(())
 }

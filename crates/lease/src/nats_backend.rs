@@ -50,7 +50,7 @@ impl From<NatsError> for BackendError {
     fn from(e: NatsError) -> Self {
         match e {
             NatsError::Timeout { after, cause: None, .. } => Self::Timeout(after),
-            other => Self::Unavailable(other.to_string()),
+            other => Self::Unavailable(Box::new(other)),
         }
     }
 }

@@ -149,7 +149,7 @@ impl From<OpError> for BackendError {
     fn from(e: OpError) -> Self {
         match e {
             OpError::Timeout(d) => Self::Timeout(d),
-            OpError::Unavailable(s) => Self::Unavailable(s),
+            e @ OpError::Unavailable(_) => Self::Unavailable(Box::new(e)),
         }
     }
 }

@@ -195,8 +195,8 @@ pub enum Status {
 #[derive(Debug, thiserror::Error)]
 pub enum StepDownError {
     /// The drain reported an error; the lease was left to expire.
-    #[error("drain failed ({0}); lease left to expire")]
-    DrainFailed(String),
+    #[error("drain failed ({}); lease left to expire", causes::Report(.0.as_ref()))]
+    DrainFailed(#[source] crate::backend::Cause),
     /// The drain outlived its budget; the lease was left to expire.
     #[error("drain exceeded its {0:?} budget; lease left to expire")]
     DrainTimeout(Duration),
@@ -306,7 +306,7 @@ impl LeaseHandle {
 
     /// Step-down in one call: stop contending, run `drain` within `budget` while the
     /// lease is kept renewed, then release; a drain that fails or runs over abandons.
-    pub async fn step_down_with<E: std::fmt::Display>(
+    pub async fn step_down_with<E: Into<crate::backend::Cause>>(
         &self,
         drain: impl std::future::Future<Output = Result<(), E>>,
         budget: Duration,
@@ -316,7 +316,7 @@ impl LeaseHandle {
             Ok(Ok(())) => self.release().await,
             Ok(Err(e)) => {
                 self.abandon().await;
-                Err(StepDownError::DrainFailed(e.to_string()))
+                Err(StepDownError::DrainFailed(e.into()))
             }
             Err(_) => {
                 self.abandon().await;
@@ -659,7 +659,7 @@ impl Supervisor {
                 released
             }
             Err(e) => {
-                tracing::warn!(error = %e, holder, "could not release a lease key left over from a lost term; retrying");
+                tracing::warn!(error = %crate::Report(&e), holder, "could not release a lease key left over from a lost term; retrying");
                 false
             }
         }
@@ -683,11 +683,11 @@ impl Supervisor {
         let kind = e.label();
         metrics::counter!(crate::metrics::STORE_ERRORS, "kind" => kind).increment(1);
         if let Ok(mut t) = self.trouble.lock() {
-            *t = Some(e.to_string());
+            *t = Some(crate::Report(e).to_string());
         }
         let now = self.clock.now();
         if warned.is_none_or(|w| now.saturating_sub(w) >= Duration::from_mins(1)) {
-            tracing::warn!(error = %e, kind, retry_ms = self.cfg.poll.as_millis() as u64, "cannot use the lease store: this replica could not take over (not ready); retrying every poll interval, logged once a minute while it lasts");
+            tracing::warn!(error = %crate::Report(e), kind, retry_ms = self.cfg.poll.as_millis() as u64, "cannot use the lease store: this replica could not take over (not ready); retrying every poll interval, logged once a minute while it lasts");
             *warned = Some(now);
         }
     }
@@ -898,7 +898,7 @@ impl Supervisor {
                 let reason = e.label();
                 metrics::counter!(crate::metrics::RENEW_ERRORS, "reason" => reason).increment(1);
                 if !std::mem::replace(failing, true) {
-                    tracing::warn!(token, error = %e, remaining_ms = term.remaining().as_millis() as u64, "lease renewal failed; leading until the deadline");
+                    tracing::warn!(token, error = %crate::Report(&e), remaining_ms = term.remaining().as_millis() as u64, "lease renewal failed; leading until the deadline");
                 }
                 None
             }

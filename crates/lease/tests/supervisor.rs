@@ -312,7 +312,7 @@ async fn failed_drain_leaves_the_lease_to_expire() {
     let (h, mut ev, _) = start(&m, "a");
     let t = elected(&mut ev).await;
     let r = h.step_down_with(async { Err::<(), _>("sink unreachable") }, Duration::from_secs(5)).await;
-    assert!(matches!(&r, Err(StepDownError::DrainFailed(m)) if m == "sink unreachable"), "{r:?}");
+    assert!(matches!(&r, Err(StepDownError::DrainFailed(m)) if m.to_string() == "sink unreachable"), "{r:?}");
     assert!(!t.is_active(), "intake stops");
     assert_eq!(m.holder().as_deref(), Some("a:1"), "not released: left to expire");
     sleep(Duration::from_secs(11)).await;

@@ -76,7 +76,8 @@ pub enum ConnError {
     /// TCP/TLS/WebSocket handshake did not finish in time.
     #[error("connect timed out after {0:?}")]
     ConnectTimeout(Duration),
-    /// The handshake failed.
+    /// The handshake failed. A description, not the WebSocket client's error: that one
+    /// can echo the relay URL, which may carry credentials.
     #[error("connect failed: {0}")]
     Connect(String),
     /// No data frame arrived for the stall timeout.
@@ -88,7 +89,7 @@ pub enum ConnError {
     /// The relay closed the connection.
     #[error("relay closed the connection")]
     ClosedByRelay,
-    /// A read or write failed.
+    /// A read or write failed (a description, for the reason given at `Connect`).
     #[error("websocket error: {0}")]
     Io(String),
     /// A message exceeded the maximum frame size; the socket is unusable after that.

@@ -148,12 +148,17 @@ pub enum FetchError {
     #[error("the fetch took longer than {0:?}")]
     Timeout(Duration),
     /// The address is not one this process may reach (private, loopback, a refused
-    /// redirect).
+    /// redirect). A message, not the HTTP client's error: that one names the URL, which
+    /// may carry credentials.
     #[error("refused: {0}")]
     Refused(String),
-    /// Any other answer or transport failure (retried later).
+    /// Any other answer (`HTTP 503`) or transport failure (its kind: `timeout`,
+    /// `connect`, … for the reason given at `Refused`); retried later.
     #[error("getRepo failed: {0}")]
     Failed(String),
+    /// The service endpoint is not a URL.
+    #[error("the service endpoint is not a URL: {0}")]
+    Endpoint(#[source] url::ParseError),
     /// The spill file could not be written.
     #[error("spilling the repo to disk: {0}")]
     Spill(#[source] std::io::Error),
@@ -164,7 +169,7 @@ pub enum FetchError {
 /// # Errors
 /// When `base` is not a URL.
 pub fn get_repo_url(base: &str, did: &str) -> Result<url::Url, FetchError> {
-    let mut u = url::Url::parse(base).map_err(|e| FetchError::Failed(format!("service URL: {e}")))?;
+    let mut u = url::Url::parse(base).map_err(FetchError::Endpoint)?;
     u.set_path("/xrpc/com.atproto.sync.getRepo");
     u.query_pairs_mut().clear().append_pair("did", did);
     Ok(u)

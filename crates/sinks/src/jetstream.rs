@@ -136,17 +136,17 @@ async fn recreate(nats: &Nats, config: &stream::Config) {
 /// A publish's failure: the stream is missing, the event is larger than the server takes
 /// (`max_payload`, 1 MiB by default: refused for its content, so the lane isolates it
 /// instead of retrying for ever), or anything else (retried as it is).
-fn publish_failure(what: &str, err: &jetstream::context::PublishError) -> Failure {
+fn publish_failure(what: &str, err: jetstream::context::PublishError) -> Failure {
     use jetstream::context::PublishErrorKind;
     if err.kind() == PublishErrorKind::StreamNotFound {
         Failure::Missing
     } else if err.kind() == PublishErrorKind::MaxPayloadExceeded {
         Failure::Handler(HandlerError::refused(
-            format!("jetstream {what}"),
-            format!("{err} (raise the server's max_payload to store events this large)"),
+            format!("jetstream {what} (raise the server's max_payload to store events this large)"),
+            err,
         ))
     } else {
-        Failure::Handler(HandlerError::failed(format!("jetstream {what}"), err.to_string()))
+        Failure::Handler(HandlerError::failed(format!("jetstream {what}"), err))
     }
 }
 
@@ -267,7 +267,7 @@ impl JetStream {
                 let ack = js
                     .publish_with_headers(self.chain_break_subject(e), Self::headers(&id, e, ctx), body.into())
                     .await
-                    .map_err(|err| publish_failure("publish", &err))?;
+                    .map_err(|err| publish_failure("publish", err))?;
                 acks.push(ack);
             }
             let body = if let Some(j) = e.json_shared() {
@@ -281,7 +281,7 @@ impl JetStream {
             let ack = js
                 .publish_with_headers(self.subject(e), Self::headers(&id, e, ctx), body)
                 .await
-                .map_err(|err| publish_failure("publish", &err))?;
+                .map_err(|err| publish_failure("publish", err))?;
             acks.push(ack);
         }
         Ok(acks)
@@ -291,7 +291,7 @@ impl JetStream {
 /// Waits for every acknowledgement of a batch, in order.
 async fn acknowledged(acks: Vec<PublishAckFuture>) -> Result<(), Failure> {
     for a in acks {
-        a.await.map_err(|err| publish_failure("acknowledgement", &err))?;
+        a.await.map_err(|err| publish_failure("acknowledgement", err))?;
     }
     Ok(())
 }
@@ -375,7 +375,7 @@ impl Handler for JetStream {
             let publish = self.publisher.publish_with_headers(subject.clone(), h, body.into());
             let ack = match tokio::time::timeout(timeout, publish).await {
                 Ok(Ok(ack)) => ack,
-                Ok(Err(err)) => return Err(settle(&self.nats, &self.stream, publish_failure("publish", &err)).await),
+                Ok(Err(err)) => return Err(settle(&self.nats, &self.stream, publish_failure("publish", err)).await),
                 Err(_) => {
                     return Err(HandlerError::failed("jetstream", format!("a publish not sent within {timeout:?}")));
                 }

@@ -173,8 +173,8 @@ fn append_whole(f: &std::fs::File, buf: &[u8]) -> Result<(), HandlerError> {
     match f.set_len(start).and_then(|()| f.seek(SeekFrom::Start(start)).map(|_| ())) {
         Ok(()) => Err(HandlerError::failed("jsonl write", e)),
         Err(cut) => Err(HandlerError::fatal(
-            "jsonl write",
-            format!("{e}; and the part written could not be cut off again ({cut}): the file ends in a torn line"),
+            format!("jsonl write ({e}): the part written could not be cut off again, the file ends in a torn line"),
+            cut,
         )),
     }
 }
@@ -185,19 +185,21 @@ async fn write_stream(w: &mut (dyn AsyncWrite + Unpin + Send), buf: &[u8]) -> Re
     let mut done = 0;
     while done < buf.len() {
         match w.write(&buf[done..]).await {
-            Ok(0) => return Err(torn(done, buf.len(), &std::io::ErrorKind::WriteZero.into())),
+            Ok(0) => return Err(torn(done, buf.len(), std::io::ErrorKind::WriteZero.into())),
             Ok(n) => done += n,
             Err(e) if done == 0 => return Err(HandlerError::failed("jsonl write", e)),
-            Err(e) => return Err(torn(done, buf.len(), &e)),
+            Err(e) => return Err(torn(done, buf.len(), e)),
         }
     }
     w.flush().await.map_err(|e| HandlerError::fatal("jsonl flush", e))
 }
 
-fn torn(done: usize, of: usize, e: &std::io::Error) -> HandlerError {
+fn torn(done: usize, of: usize, e: std::io::Error) -> HandlerError {
     HandlerError::fatal(
-        "jsonl write",
-        format!("{e} after {done} of {of} bytes of a batch; the output is a stream that cannot be cut back"),
+        format!(
+            "jsonl write: {done} of {of} bytes of a batch written, and the output is a stream that cannot be cut back"
+        ),
+        e,
     )
 }
 

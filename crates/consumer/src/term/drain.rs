@@ -62,21 +62,21 @@ impl Leader<'_, '_> {
         self.sub.close().await;
         let Leader { term, mut p, flight, .. } = self;
         let drain = async {
-            p.drain().await.map_err(|e| e.to_string())?;
+            p.drain().await.map_err(causes::Cause::from)?;
             // The tick's write lands before the final one is made.
             if let Some(f) = flight
                 && f.land(cx, &mut p).await == Commit::Fenced
             {
-                return Err("commit fenced or the term ended".to_owned());
+                return Err("commit fenced or the term ended".into());
             }
             // A store that is briefly away does not make the step-down unclean: retry the
             // final commit while the term lasts (the drain budget bounds it too).
             loop {
                 if commit(cx, &term, &mut p, true).await == Commit::Fenced {
-                    return Err("final commit fenced or the term ended".to_owned());
+                    return Err("final commit fenced or the term ended".into());
                 }
                 if p.committed() == p.committable() {
-                    return Ok::<(), String>(());
+                    return Ok::<(), causes::Cause>(());
                 }
                 tracing::warn!(
                     cursor = p.committable(),

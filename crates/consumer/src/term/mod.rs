@@ -162,7 +162,7 @@ async fn while_active<T, F: Future<Output = Result<T, StoreError>>>(
         match guarded(cx, term, f()).await? {
             Err(StoreError::Unavailable(e)) => {
                 let delay = backoff.next_delay();
-                tracing::warn!(error = %e, what, retry_ms = delay.as_millis() as u64, "cursor store unavailable; not subscribing until it answers");
+                tracing::warn!(error = %causes::Report(&*e), what, retry_ms = delay.as_millis() as u64, "cursor store unavailable; not subscribing until it answers");
                 guarded(cx, term, tokio::time::sleep(delay)).await?;
             }
             other => return Ok(other),
