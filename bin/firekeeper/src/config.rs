@@ -268,6 +268,36 @@ fn check_parts(r: &Raw, errors: &mut Vec<String>) {
 }
 
 /// Sink, cursor store and lease must fit together.
+/// `FIREKEEPER_BACKFILL` with the DIDs it lists or the host whose repos it walks.
+fn backfill(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) {
+    use crate::settings::BackfillMode;
+    let listed = !options.resync.backfill.is_empty();
+    match r.backfill.unwrap_or(if listed { BackfillMode::Dids } else { BackfillMode::Off }) {
+        BackfillMode::Off => options.resync.backfill.clear(),
+        BackfillMode::Dids if !listed => {
+            errors.push("FIREKEEPER_BACKFILL=dids needs FIREKEEPER_BACKFILL_DIDS (DIDs, or @<file> of them)".into());
+        }
+        BackfillMode::Dids => {}
+        BackfillMode::Collections => errors.push(
+            "FIREKEEPER_BACKFILL=collections is not built yet: list the DIDs (`dids`) or walk every repo (`all`)"
+                .into(),
+        ),
+        BackfillMode::All => {
+            let host = match &r.backfill_host {
+                Some(h) => h.clone(),
+                None => r.relay.as_ref().map(|u| u.http_origin().to_string()).unwrap_or_default(),
+            };
+            match url::Url::parse(&host) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") => options.resync.backfill_list = Some(host),
+                _ => errors.push("FIREKEEPER_BACKFILL_HOST must be an http(s):// URL".into()),
+            }
+        }
+    }
+    if !options.resync.enabled && (!options.resync.backfill.is_empty() || options.resync.backfill_list.is_some()) {
+        errors.push("FIREKEEPER_BACKFILL needs repo sync: FIREKEEPER_RESYNC=false turns it off".into());
+    }
+}
+
 fn check_pairing(r: &Raw, store: StoreKind, sink: &SinkKind, lease: LeaseKind, errors: &mut Vec<String>) {
     let database = r.database_url.is_some();
     if (*sink == SinkKind::Postgres || store == StoreKind::Postgres) && !database {
@@ -304,7 +334,8 @@ impl TryFrom<Raw> for Config {
         let store = store(&r, lease_backend, &mut errors);
         let sink = sink(&r, &mut errors);
         check_pairing(&r, store, &sink, lease_backend, &mut errors);
-        let mut options = r.options;
+        let mut options = r.options.clone();
+        backfill(&r, &mut options, &mut errors);
         // Large repos fetched for resync spill to the data directory.
         options.resync.limits.spill_dir.clone_from(&r.data_dir);
         // The verifier's per-repo chains are as many as the chain check's.

@@ -66,6 +66,19 @@ pub enum ChainMode {
     Off,
 }
 
+/// Which repos repo sync backfills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackfillMode {
+    /// None.
+    Off,
+    /// `FIREKEEPER_BACKFILL_DIDS`.
+    Dids,
+    /// The repos holding records of `FIREKEEPER_COLLECTIONS` (not built yet).
+    Collections,
+    /// Every repo the host lists.
+    All,
+}
+
 /// The log format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -102,6 +115,7 @@ words!(bool: "true" => true, "false" => false, "1" => true, "0" => false, "yes" 
 words!(InvalidPolicy: "mark" => InvalidPolicy::Mark, "fail" => InvalidPolicy::Fail);
 words!(BadFramePolicy: "fail" => BadFramePolicy::Fail, "skip" => BadFramePolicy::Skip);
 words!(LogFormat: "json" => LogFormat::Json, "text" => LogFormat::Text);
+words!(BackfillMode: "off" => BackfillMode::Off, "dids" => BackfillMode::Dids, "collections" => BackfillMode::Collections, "all" => BackfillMode::All);
 
 /// The words of `T`, for the README and error messages.
 fn words<T: Choice>() -> Vec<&'static str> {
@@ -158,6 +172,9 @@ pub struct Raw {
     pub nats_ca_file: Option<PathBuf>,
     pub nats_token: Option<String>,
     pub admin_token: Option<String>,
+    /// `None`: `dids` when DIDs are listed, else `off`.
+    pub backfill: Option<BackfillMode>,
+    pub backfill_host: Option<String>,
     /// `None`: derived from the URLs set.
     pub lease_backend: Option<LeaseKind>,
     /// `None`: the lease backend's store.
@@ -196,6 +213,8 @@ impl Default for Raw {
             nats_ca_file: None,
             nats_token: None,
             admin_token: None,
+            backfill: None,
+            backfill_host: None,
             lease_backend: None,
             store: None,
             sink: SinkName::Jsonl,
@@ -422,6 +441,8 @@ pub const SETTINGS: &[Setting] = &[
     count!("FIREKEEPER_RESOLVE_CONCURRENCY", 1024, options.verify.resolver.concurrency, "requests to the PLC directory at a time (each `did:web` host has its own 2, and a failing host its own backoff)"),
     choice!("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", bool, options.verify.resolver.allow_private, "addresses taken from the network (`did:web` hosts, PDS endpoints from DID documents, their redirects) may be loopback or private; by default they are refused, by IP or by name, so a DID cannot point this process at its own machine or network (set `true` for tests and private deployments)"),
     choice!("FIREKEEPER_RESYNC", bool, options.resync.enabled, "repo sync: a repo whose chain broke (or, with `FIREKEEPER_VERIFY`, whose commit was invalid) is queued, fetched whole from its PDS (`com.atproto.sync.getRepo`, the DID document's `#atproto_pds`), verified whole whatever `FIREKEEPER_VERIFY` says, and handed to the sink as a `#resync` event and one `#record` per record (fold semantics: forget the repo, then create each record); the queue is kept in the cursor store, fenced; `false` only counts and lists such repos"),
+    setting!("FIREKEEPER_BACKFILL", Kind::Choice, |r, v| r.backfill = Some(choose(v)?), shown "`dids` when `FIREKEEPER_BACKFILL_DIDS` lists any, else `off`", "repo sync's backfill: `off`, `dids` (those of `FIREKEEPER_BACKFILL_DIDS`) or `all` (every active repo `FIREKEEPER_BACKFILL_HOST` lists with `com.atproto.sync.listRepos`, a page at a time while the queue is short, after the repairs of broken repos; the listing's cursor is kept in the cursor store, so a new leader goes on where the last stopped); each repo arrives as a `#resync` (reason `backfill`) and its `#record`s, beside the live stream. `collections` is not built yet"),
+    text!("FIREKEEPER_BACKFILL_HOST", Kind::Endpoint, backfill_host, "the primary relay (`wss://` as `https://`)", "the host whose `listRepos` `FIREKEEPER_BACKFILL=all` walks: a relay, or a PDS for its own repos"),
     setting!("FIREKEEPER_BACKFILL_DIDS", Kind::Text, |r, v| r.options.resync.backfill = backfill_dids(v)?, |d| d.options.resync.backfill.len().to_string() + " DIDs", "repos to backfill with repo sync: DIDs separated by commas or whitespace, or `@<path>` of a file of them; each is fetched from its PDS once and handed to the sink as a `#resync` and its `#record`s (reason `backfill`), after the repairs of broken repos; the list's position is kept in the cursor store, so a new leader goes on where the last stopped (keep the list the same across replicas and restarts)"),
     count!("FIREKEEPER_SYNC_WORKERS", 1024, options.resync.workers, "repos fetched for resync at a time"),
     millis!("FIREKEEPER_RESYNC_RETRY_MS", options.resync.retry_first, "the first retry of a failed resync waits this long, doubling (with jitter) to an hour; a rate-limited host's `Retry-After`/`RateLimit-Reset` is waited out instead; a repo the PDS says is gone waits for an event of it"),

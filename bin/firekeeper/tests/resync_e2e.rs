@@ -251,6 +251,46 @@ async fn a_backfill_of_listed_dids_folds_to_every_repos_records() {
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
+/// `FIREKEEPER_BACKFILL=all`: a new deployment walks the host's `listRepos` (three
+/// pages here) and hands the sink every repo's snapshot: the fold equals every reference
+/// set. The listing's end is kept in the store: the next leader lists nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_of_every_listed_repo_walks_the_pages_once() {
+    let base = testkit::pds::start(every_repo()).await;
+    let dir = tmpdir("backfill-all");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), &dir).await;
+    env.insert("FIREKEEPER_BACKFILL".into(), "all".into());
+    env.insert("FIREKEEPER_BACKFILL_HOST".into(), base.clone());
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let done = async |n: u64| {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["role"] == "leader"
+            && v["desynchronized"] == 0
+            && metrics.contains(&format!("firekeeper_resyncs_total{{outcome=\"done\",reason=\"backfill\"}} {n}\n"))
+    };
+    let child = firekeeper(&env, &[], &dir.join("a.log"));
+    eventually("every listed repo backfilled", WAIT, async || done(9).await).await;
+    assert!(sigterm_and_wait(child).success());
+    let log = std::fs::read_to_string(dir.join("a.log")).expect("log");
+    assert_eq!(log.matches("backfill: a page of the host's repos queued").count(), 3, "{log}");
+    // The next leader: the listing is done, nothing is queued again.
+    let child = firekeeper(&env, &[], &dir.join("b.log"));
+    eventually("the next leader", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["role"] == "leader")
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert!(sigterm_and_wait(child).success());
+    assert!(!metrics.contains("reason=\"backfill\"} "), "nothing backfilled again: {metrics}");
+    let text = std::fs::read_to_string(&out).expect("output");
+    assert_eq!(text.lines().filter(|l| l.contains("\"#resync\"")).count(), 9, "each repo once");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
 /// The PDS's faults, with the outcome a user expects: a repo it does not host is `gone`
 /// (listed, not retried until an event of it); a 429 is waited out (`Retry-After`) without
 /// counting an attempt, then the repo lands; a repo that does not verify (another

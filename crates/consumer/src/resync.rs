@@ -70,6 +70,10 @@ pub struct ResyncOptions {
     /// Repos to backfill (`FIREKEEPER_BACKFILL_DIDS`): each is queued once, in order, a
     /// batch at a time while the queue is short; the position is kept in the store.
     pub backfill: Vec<String>,
+    /// Backfill every repo this host lists (`com.atproto.sync.listRepos`, a relay or a
+    /// PDS: `https://host`), a page at a time while the queue is short, after the listed
+    /// DIDs; the listing's cursor is kept in the store.
+    pub backfill_list: Option<String>,
 }
 
 impl Default for ResyncOptions {
@@ -82,6 +86,7 @@ impl Default for ResyncOptions {
             attempts: 10,
             limits: Limits::default(),
             backfill: Vec::new(),
+            backfill_list: None,
         }
     }
 }
@@ -103,6 +108,8 @@ pub(crate) struct Resyncer {
     client: guarded_http::Client,
     opts: ResyncOptions,
     filter: Option<CollectionFilter>,
+    /// No listing page is asked for before this (after a failed one).
+    listing_after: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Resyncer {
@@ -123,7 +130,7 @@ impl Resyncer {
             reqwest::Client::builder().user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION"))),
         )
         .map_err(|e| crate::error::Error::Setup { what: "repo sync: the HTTP client", source: Box::new(e) })?;
-        Ok(Self { resolver, client, opts, filter })
+        Ok(Self { resolver, client, opts, filter, listing_after: std::sync::Mutex::new(None) })
     }
 
     /// Works the queue for one term: takes due repos, fetches them, hands each snapshot
@@ -189,8 +196,11 @@ impl Resyncer {
     ) -> Result<(), crate::handler::HandlerError> {
         let list = &self.opts.backfill;
         let pos = desync.backfilled();
-        if pos >= list.len() || desync.queued() >= BACKFILL_BATCH {
+        if desync.queued() >= BACKFILL_BATCH {
             return Ok(());
+        }
+        if pos >= list.len() {
+            return self.list_page(desync, store, ctx).await;
         }
         let end = (pos + BACKFILL_BATCH).min(list.len());
         for did in &list[pos..end] {
@@ -203,6 +213,97 @@ impl Resyncer {
         tracing::info!(queued = end, of = list.len(), "backfill: repos queued");
         Ok(())
     }
+
+    /// Queues the next page of the host's `listRepos` (active repos only), each repo's
+    /// entry kept before the listing's cursor; a page that fails is asked again in 30 s.
+    async fn list_page(
+        &self,
+        desync: &Desync,
+        store: &dyn checkpoint::CursorStore,
+        ctx: &BatchCtx,
+    ) -> Result<(), crate::handler::HandlerError> {
+        use crate::verify::Listing;
+        let Some(host) = &self.opts.backfill_list else { return Ok(()) };
+        let after = match desync.listing() {
+            Listing::Done => return Ok(()),
+            Listing::Start => None,
+            Listing::After(c) => Some(c),
+        };
+        if self.listing_after.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t)) {
+            return Ok(());
+        }
+        let page = match list_repos(&self.client, host, after.as_deref()).await {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(error = %why, "backfill: listing the host's repos failed; asking again in 30 s");
+                if let Ok(mut t) = self.listing_after.lock() {
+                    *t = Some(std::time::Instant::now() + Duration::from_secs(30));
+                }
+                return Ok(());
+            }
+        };
+        let mut queued = 0;
+        for did in &page.active {
+            if desync.mark_new(did, reason::BACKFILL) {
+                keep(store, desync, did, ctx).await?;
+                queued += 1;
+            }
+        }
+        let next = match page.cursor {
+            Some(c) if !page.empty => Listing::After(c),
+            _ => Listing::Done,
+        };
+        let done = next == Listing::Done;
+        desync.set_listing(next);
+        keep(store, desync, crate::verify::LISTING_KEY, ctx).await?;
+        tracing::info!(queued, inactive = page.inactive, done, "backfill: a page of the host's repos queued");
+        Ok(())
+    }
+}
+
+/// One page of `com.atproto.sync.listRepos`.
+struct ListPage {
+    /// The active repos' DIDs.
+    active: Vec<String>,
+    /// Repos listed inactive (skipped).
+    inactive: usize,
+    /// The next page's cursor.
+    cursor: Option<String>,
+    /// The page listed no repo (the end, whatever the cursor says).
+    empty: bool,
+}
+
+/// Repos asked for per listing page (the most `listRepos` serves).
+const LIST_LIMIT: usize = 1000;
+
+/// Asks `host` for the page of its repos after `cursor`.
+async fn list_repos(client: &guarded_http::Client, host: &str, cursor: Option<&str>) -> Result<ListPage, String> {
+    let mut url = url::Url::parse(host).map_err(|e| format!("FIREKEEPER_BACKFILL_HOST is not a URL: {e}"))?;
+    url.set_path("/xrpc/com.atproto.sync.listRepos");
+    url.query_pairs_mut().clear().append_pair("limit", &LIST_LIMIT.to_string());
+    if let Some(c) = cursor {
+        url.query_pairs_mut().append_pair("cursor", c);
+    }
+    let req = client.get(url.as_str()).map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_mins(1), req.send())
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| guarded_http::kind(&e).to_owned())?;
+    if !resp.status().is_success() {
+        return Err(format!("HTTP {}", resp.status().as_u16()));
+    }
+    let body = guarded_http::read_bounded(resp, 16 << 20).await.map_err(|e| e.to_string())?;
+    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("not a listRepos page: {e}"))?;
+    let repos = v["repos"].as_array().ok_or("not a listRepos page: no repos")?;
+    let (mut active, mut inactive) = (Vec::with_capacity(repos.len()), 0);
+    for r in repos {
+        match r["did"].as_str() {
+            Some(did) if r["active"] != false && did.starts_with("did:") => active.push(did.to_owned()),
+            _ => inactive += 1,
+        }
+    }
+    let cursor = v["cursor"].as_str().filter(|c| !c.is_empty()).map(str::to_owned);
+    Ok(ListPage { empty: repos.is_empty(), active, inactive, cursor })
 }
 
 /// One repo's resync within a term.

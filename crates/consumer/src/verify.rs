@@ -267,6 +267,8 @@ pub struct Desync {
     retry: Mutex<(i64, i64, u32)>,
     /// How much of the backfill list is queued (kept under [`BACKFILL_KEY`]).
     backfilled: AtomicUsize,
+    /// Where the listing of every repo stands (kept under [`LISTING_KEY`]).
+    listing: Mutex<Listing>,
     /// Repos an operator asked to resync, for the worker to keep in the store.
     requests: Mutex<Vec<String>>,
 }
@@ -302,6 +304,40 @@ impl Requested {
 
 /// The store entry that keeps the backfill list's position (not a repo).
 pub(crate) const BACKFILL_KEY: &str = "#backfill";
+
+/// The store entry that keeps where the listing of every repo stands (not a repo).
+pub(crate) const LISTING_KEY: &str = "#backfill-list";
+
+/// Where the backfill's listing of every repo (`listRepos`) stands.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) enum Listing {
+    /// Not begun: the first page is next.
+    #[default]
+    Start,
+    /// The page after this cursor is next.
+    After(String),
+    /// Every page was queued.
+    Done,
+}
+
+impl Listing {
+    /// The form the store keeps.
+    fn kept(&self) -> String {
+        match self {
+            Self::Start => String::new(),
+            Self::After(c) => format!("after:{c}"),
+            Self::Done => "done".into(),
+        }
+    }
+
+    /// Reads the store's form; anything else starts over (queuing a repo twice is harmless).
+    fn read(v: &str) -> Self {
+        match v {
+            "done" => Self::Done,
+            v => v.strip_prefix("after:").map_or(Self::Start, |c| Self::After(c.to_owned())),
+        }
+    }
+}
 
 impl Desync {
     fn mark(&self, seq: u64, inv: &Invalid) {
@@ -478,6 +514,19 @@ impl Desync {
         self.backfilled.load(Ordering::Relaxed)
     }
 
+    /// Where the listing of every repo stands.
+    pub(crate) fn listing(&self) -> Listing {
+        self.listing.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Notes where the listing now stands (kept by the store like a repo's state).
+    pub(crate) fn set_listing(&self, l: Listing) {
+        if let Ok(mut now) = self.listing.lock() {
+            *now = l;
+        }
+        self.set_dirty(LISTING_KEY);
+    }
+
     /// Records how much of the backfill list is queued (written by the next keep of
     /// [`BACKFILL_KEY`]).
     pub(crate) fn set_backfilled(&self, n: usize) {
@@ -579,6 +628,9 @@ impl Desync {
         if repo == BACKFILL_KEY {
             return Some(Change::Kept(self.backfilled().to_string()));
         }
+        if repo == LISTING_KEY {
+            return Some(Change::Kept(self.listing().kept()));
+        }
         let r = self.repos.lock().expect("repos");
         Some(match r.get(repo) {
             Some(d) => {
@@ -610,9 +662,18 @@ impl Desync {
         self.dirty.lock().expect("dirty").clear();
         self.dirty_n.store(0, Ordering::Relaxed);
         self.backfilled.store(0, Ordering::Relaxed);
+        if let Ok(mut l) = self.listing.lock() {
+            *l = Listing::Start;
+        }
         for (repo, value) in kept {
             if repo == BACKFILL_KEY {
                 self.backfilled.store(value.parse().unwrap_or(0), Ordering::Relaxed);
+                continue;
+            }
+            if repo == LISTING_KEY {
+                if let Ok(mut l) = self.listing.lock() {
+                    *l = Listing::read(value);
+                }
                 continue;
             }
             let Ok(k) = serde_json::from_str::<Kept>(value) else {
@@ -1180,6 +1241,25 @@ mod tests {
         assert!(!d.take_due(now_ms(), 4).iter().any(|t| t.0 == "did:plc:q"), "waits an hour");
         assert_eq!(d.request("did:plc:q"), super::Requested::Sooner);
         assert!(d.take_due(now_ms(), 4).iter().any(|t| t.0 == "did:plc:q"), "brought forward");
+    }
+
+    /// Where the listing of every repo stands is kept like a repo's state and read back
+    /// by the next term; a value it cannot read starts the listing over.
+    #[test]
+    fn the_listing_position_survives_a_new_term() {
+        use super::{LISTING_KEY, Listing};
+        for l in [Listing::Start, Listing::After("1796551060203::did:plc:a".into()), Listing::Done] {
+            let d = queue();
+            d.set_listing(l.clone());
+            let Some(super::Change::Kept(v)) = d.take_change(LISTING_KEY) else { panic!("a change") };
+            let next = queue();
+            next.load(&[(LISTING_KEY.to_owned(), v)]);
+            assert_eq!(next.listing(), l);
+            assert!(next.list().is_empty(), "not a repo");
+        }
+        let next = queue();
+        next.load(&[(LISTING_KEY.to_owned(), "garbage".into())]);
+        assert_eq!(next.listing(), Listing::Start);
     }
 
     #[test]

@@ -75,6 +75,19 @@ impl RelayUrl {
         u
     }
 
+    /// The relay's HTTP origin (`wss://host` as `https://host`, `ws://` as `http://`), for
+    /// its XRPC endpoints such as `listRepos`. Never logged (it may carry credentials).
+    #[must_use]
+    pub fn http_origin(&self) -> Url {
+        let mut u = self.url.clone();
+        let scheme = if u.scheme() == "wss" { "https" } else { "http" };
+        // ws/wss → http/https are both "special" schemes: the change is accepted.
+        let _ = u.set_scheme(scheme);
+        u.set_path("/");
+        u.set_query(None);
+        u
+    }
+
     /// The URL with user and password replaced by `***`: safe for
     /// logs and status pages.
     #[must_use]

@@ -95,6 +95,17 @@ where
             tokio::spawn(async move {
                 let mut pending = Vec::new();
                 while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
+                    if line.contains("/xrpc/com.atproto.sync.listRepos") {
+                        let body = list_page(&serve, &line);
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                            body.len()
+                        );
+                        if s.write_all(head.as_bytes()).await.is_err() || s.write_all(body.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     let did = line.split("did=").nth(1).and_then(|d| d.split([' ', '&']).next()).unwrap_or("");
                     let fault = {
                         let mut f = faults.lock().expect("faults");
@@ -141,6 +152,26 @@ where
         }
     });
     base
+}
+
+/// Repos per `listRepos` page, whatever the client asks for (a server may serve fewer):
+/// small, so that a listing of the nine reference repos takes several pages.
+pub const LIST_PAGE: usize = 3;
+
+/// A `com.atproto.sync.listRepos` page of the served repos in DID order: those after the
+/// request's `cursor` (the last DID of the previous page), [`LIST_PAGE`] at most, each
+/// `active`; the last page has no cursor.
+fn list_page<S: std::hash::BuildHasher>(serve: &HashMap<String, String, S>, line: &str) -> String {
+    let after = line.split("cursor=").nth(1).and_then(|c| c.split([' ', '&']).next()).map(|c| c.replace("%3A", ":"));
+    let mut dids: Vec<&String> = serve.keys().filter(|d| after.as_ref().is_none_or(|a| *d > a)).collect();
+    dids.sort();
+    let page: Vec<&String> = dids.iter().take(LIST_PAGE).copied().collect();
+    let repos: Vec<serde_json::Value> = page.iter().map(|d| serde_json::json!({ "did": d, "active": true })).collect();
+    let mut v = serde_json::json!({ "repos": repos });
+    if dids.len() > LIST_PAGE {
+        v["cursor"] = serde_json::Value::String(page.last().map(|d| (*d).clone()).unwrap_or_default());
+    }
+    v.to_string()
 }
 
 /// The reference DID documents (DID → JSON), their PDS at `base`.
