@@ -196,9 +196,7 @@ async fn write_stream(w: &mut (dyn AsyncWrite + Unpin + Send), buf: &[u8]) -> Re
 
 fn torn(done: usize, of: usize, e: std::io::Error) -> HandlerError {
     HandlerError::fatal(
-        format!(
-            "jsonl write: {done} of {of} bytes of a batch written, and the output is a stream that cannot be cut back"
-        ),
+        format!("jsonl write, failed after {done} of {of} bytes of a batch (a stream that cannot be cut back)"),
         e,
     )
 }
