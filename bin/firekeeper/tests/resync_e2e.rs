@@ -291,6 +291,46 @@ async fn a_backfill_of_every_listed_repo_walks_the_pages_once() {
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
+/// A PDS that rate-limits the whole host (every repo answered 429 for two seconds after
+/// the first request): the first 429 parks the host, and its other repos wait without
+/// being asked (one 429 in all, with one worker), then every repo lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_host_is_parked_and_its_other_repos_wait() {
+    use testkit::pds::Fault;
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let window = Fault::HostWindow { secs: 2, opened: None, answered: answered.clone() };
+    let base = testkit::pds::start_faulty(
+        every_repo(),
+        HashMap::new(),
+        HashMap::from([(testkit::pds::EVERY.to_owned(), window)]),
+    )
+    .await;
+    let dir = tmpdir("resync-parked");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), &dir).await;
+    let dids: Vec<String> = testkit::fold::reference().into_keys().collect();
+    env.insert("FIREKEEPER_BACKFILL_DIDS".into(), dids.join(","));
+    env.insert("FIREKEEPER_SYNC_WORKERS".into(), "1".into());
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("every repo landed after the host's window", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["desynchronized"] == 0
+            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"backfill\"} 9\n")
+    })
+    .await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert!(sigterm_and_wait(child).success());
+    assert_eq!(answered.load(std::sync::atomic::Ordering::Relaxed), 1, "one 429: {metrics}");
+    assert!(
+        metrics.contains("firekeeper_resyncs_total{outcome=\"rate_limited\",reason=\"backfill\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("outcome=\"parked\""), "the others waited: {metrics}");
+    assert_reference(&testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output")));
+}
+
 /// The PDS's faults, with the outcome a user expects: a repo it does not host is `gone`
 /// (listed, not retried until an event of it); a 429 is waited out (`Retry-After`) without
 /// counting an attempt, then the repo lands; a repo that does not verify (another

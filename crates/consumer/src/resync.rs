@@ -110,6 +110,8 @@ pub(crate) struct Resyncer {
     filter: Option<CollectionFilter>,
     /// No listing page is asked for before this (after a failed one).
     listing_after: std::sync::Mutex<Option<std::time::Instant>>,
+    /// PDSs parked by their rate limits (kept across terms: the limit is the host's).
+    hosts: repo_sync::hosts::Hosts,
 }
 
 impl Resyncer {
@@ -130,7 +132,14 @@ impl Resyncer {
             reqwest::Client::builder().user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION"))),
         )
         .map_err(|e| crate::error::Error::Setup { what: "repo sync: the HTTP client", source: Box::new(e) })?;
-        Ok(Self { resolver, client, opts, filter, listing_after: std::sync::Mutex::new(None) })
+        Ok(Self {
+            resolver,
+            client,
+            opts,
+            filter,
+            listing_after: std::sync::Mutex::new(None),
+            hosts: repo_sync::hosts::Hosts::default(),
+        })
     }
 
     /// Works the queue for one term: takes due repos, fetches them, hands each snapshot
@@ -319,8 +328,15 @@ impl Job {
         let started = std::time::Instant::now();
         let now_us = now_ms().saturating_mul(1000);
         let r = &self.r;
-        let outcome = match repo_sync::snapshot::fetch_snapshot(&r.resolver, &r.client, &did, &r.opts.limits, now_us)
-            .await
+        let outcome = match repo_sync::snapshot::fetch_snapshot(
+            &r.resolver,
+            &r.client,
+            &r.hosts,
+            &did,
+            &r.opts.limits,
+            now_us,
+        )
+        .await
         {
             Ok(repo) => {
                 let (rev, bytes) = (repo.rev.clone(), repo.bytes);
@@ -355,7 +371,12 @@ impl Job {
             }
             Err(e) => {
                 let (outcome, label) = classify(&e);
-                tracing::warn!(repo = %did, error = %e, outcome = label, "resync failed");
+                if label == "parked" {
+                    // Its host said to wait: one line for the 429, not one per repo it hosts.
+                    tracing::debug!(repo = %did, error = %e, "resync waits for its host's rate limit");
+                } else {
+                    tracing::warn!(repo = %did, error = %e, outcome = label, "resync failed");
+                }
                 metrics::counter!(m::RESYNCS, "outcome" => label, "reason" => reason).increment(1);
                 outcome
             }
@@ -373,6 +394,10 @@ fn classify(e: &CheckError) -> (Outcome, &'static str) {
             let wait = rl.wait.unwrap_or(Duration::from_mins(1));
             let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX / 4);
             (Outcome::Later(now_ms().saturating_add(ms)), "rate_limited")
+        }
+        CheckError::Fetch(FetchError::Parked(left)) => {
+            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX / 4);
+            (Outcome::Later(now_ms().saturating_add(ms)), "parked")
         }
         CheckError::Verify(_) => (Outcome::Failed, "invalid"),
         _ => (Outcome::Failed, "failed"),

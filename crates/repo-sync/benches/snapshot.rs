@@ -42,7 +42,16 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(20_000));
     g.bench_function("large repo: fetch + verify + render, records", |b| {
         b.iter(|| {
-            let s = rt.block_on(fetch_snapshot(&resolver, &client, LARGE, &limits, now_us)).expect("snapshot");
+            let s = rt
+                .block_on(fetch_snapshot(
+                    &resolver,
+                    &client,
+                    &repo_sync::hosts::Hosts::default(),
+                    LARGE,
+                    &limits,
+                    now_us,
+                ))
+                .expect("snapshot");
             assert_eq!(s.records.len(), 20_000);
         });
     });
@@ -65,7 +74,9 @@ fn bench(c: &mut Criterion) {
                     let chunk = chunk.to_vec();
                     set.spawn(async move {
                         for d in &chunk {
-                            fetch_snapshot(&resolver, &client, d, &limits, now_us).await.expect("snapshot");
+                            fetch_snapshot(&resolver, &client, &repo_sync::hosts::Hosts::default(), d, &limits, now_us)
+                                .await
+                                .expect("snapshot");
                         }
                     });
                 }

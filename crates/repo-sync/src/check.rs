@@ -68,7 +68,7 @@ pub async fn check_repo(
     limits: &Limits,
     now_us: i64,
 ) -> Result<Checked, CheckError> {
-    verified(resolver, client, did, limits, now_us, |pds, snap, bytes| {
+    verified(resolver, client, &crate::hosts::Hosts::default(), did, limits, now_us, |pds, snap, bytes| {
         let mut collections = BTreeMap::new();
         for r in &snap.records {
             let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
@@ -92,6 +92,7 @@ pub async fn check_repo(
 pub(crate) async fn verified<T, F>(
     resolver: &Resolver,
     client: &guarded_http::Client,
+    hosts: &crate::hosts::Hosts,
     did: &str,
     limits: &Limits,
     now_us: i64,
@@ -104,7 +105,21 @@ where
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
     let url = get_repo_url(&pds, did).map_err(CheckError::Fetch)?;
-    let fetched = fetch(client, &url, limits).await.map_err(CheckError::Fetch)?;
+    let host = crate::hosts::key(&url);
+    if let Some(left) = hosts.parked(&host) {
+        return Err(CheckError::Fetch(FetchError::Parked(left)));
+    }
+    let fetched = match fetch(client, &url, limits).await {
+        Ok(f) => f,
+        Err(FetchError::RateLimited(rl)) => {
+            hosts.park(&host, rl.wait.unwrap_or(crate::hosts::DEFAULT_PARK));
+            return Err(CheckError::Fetch(FetchError::RateLimited(rl)));
+        }
+        Err(e) => return Err(CheckError::Fetch(e)),
+    };
+    if fetched.rate.remaining == Some(0) {
+        hosts.park(&host, fetched.rate.wait.unwrap_or(crate::hosts::DEFAULT_PARK));
+    }
     let len = fetched.body.len();
     let body = std::sync::Arc::new(fetched.body);
     let attempt = |key: atproto_crypto::PublicKey, f: F| {

@@ -156,6 +156,9 @@ pub enum FetchError {
     /// `connect`, … for the reason given at `Refused`); retried later.
     #[error("getRepo failed: {0}")]
     Failed(String),
+    /// The host is parked by its rate limit for this long more: not asked.
+    #[error("the host is parked by its rate limit for {0:?} more")]
+    Parked(Duration),
     /// The service endpoint is not a URL.
     #[error("the service endpoint is not a URL: {0}")]
     Endpoint(#[source] url::ParseError),

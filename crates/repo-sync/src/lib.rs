@@ -12,4 +12,5 @@
 
 pub mod check;
 pub mod fetch;
+pub mod hosts;
 pub mod snapshot;

@@ -63,7 +63,21 @@ pub enum Fault {
         /// `Retry-After`, seconds.
         retry_after_s: u64,
     },
+    /// Under the key [`EVERY`], for the whole host: the first `getRepo` opens a window of
+    /// `secs` during which every `getRepo` of any repo is answered 429 with `Retry-After`
+    /// (the seconds left); `answered` counts those 429s.
+    HostWindow {
+        /// The window.
+        secs: u64,
+        /// When it opened.
+        opened: Option<std::time::Instant>,
+        /// 429s answered so far.
+        answered: Arc<std::sync::atomic::AtomicU32>,
+    },
 }
+
+/// The fault key that stands for every repo of the host.
+pub const EVERY: &str = "*";
 
 /// [`start_slow`], with some DIDs answered by a [`Fault`] instead.
 ///
@@ -110,23 +124,42 @@ where
                     let fault = {
                         let mut f = faults.lock().expect("faults");
                         let did = did.replace("%3A", ":");
-                        match f.get_mut(&did) {
-                            Some(Fault::RateLimited { times, .. }) if *times == 0 => None,
-                            Some(Fault::RateLimited { times, retry_after_s }) => {
-                                *times -= 1;
-                                Some(format!(
-                                    "HTTP/1.1 429 Too Many Requests\r\nretry-after: {retry_after_s}\r\nratelimit-remaining: 0\r\ncontent-length: 0\r\n\r\n"
-                                ))
+                        let host_wide = match f.get_mut(EVERY) {
+                            Some(Fault::HostWindow { secs, opened, answered }) => {
+                                let opened = *opened.get_or_insert_with(std::time::Instant::now);
+                                let left = std::time::Duration::from_secs(*secs).saturating_sub(opened.elapsed());
+                                (!left.is_zero()).then(|| {
+                                    answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                    format!(
+                                        "HTTP/1.1 429 Too Many Requests\r\nretry-after: {}\r\nratelimit-remaining: 0\r\ncontent-length: 0\r\n\r\n",
+                                        left.as_secs() + 1
+                                    )
+                                })
                             }
-                            Some(f @ (Fault::NotFound | Fault::Takendown)) => {
-                                let name = if matches!(f, Fault::NotFound) { "RepoNotFound" } else { "RepoTakendown" };
-                                let body = format!("{{\"error\":\"{name}\",\"message\":\"no\"}}");
-                                Some(format!(
-                                    "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                                    body.len()
-                                ))
+                            _ => None,
+                        };
+                        if host_wide.is_some() {
+                            host_wide
+                        } else {
+                            match f.get_mut(&did) {
+                                Some(Fault::RateLimited { times, .. }) if *times == 0 => None,
+                                Some(Fault::RateLimited { times, retry_after_s }) => {
+                                    *times -= 1;
+                                    Some(format!(
+                                        "HTTP/1.1 429 Too Many Requests\r\nretry-after: {retry_after_s}\r\nratelimit-remaining: 0\r\ncontent-length: 0\r\n\r\n"
+                                    ))
+                                }
+                                Some(f @ (Fault::NotFound | Fault::Takendown)) => {
+                                    let name =
+                                        if matches!(f, Fault::NotFound) { "RepoNotFound" } else { "RepoTakendown" };
+                                    let body = format!("{{\"error\":\"{name}\",\"message\":\"no\"}}");
+                                    Some(format!(
+                                        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                                        body.len()
+                                    ))
+                                }
+                                Some(Fault::HostWindow { .. }) | None => None,
                             }
-                            None => None,
                         }
                     };
                     if let Some(answer) = fault {
