@@ -268,8 +268,9 @@ fn check_parts(r: &Raw, errors: &mut Vec<String>) {
 }
 
 /// Sink, cursor store and lease must fit together.
-/// `FIREKEEPER_BACKFILL` with the DIDs it lists or the host whose repos it walks.
-fn backfill(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) {
+/// Repo sync's backfill (`FIREKEEPER_BACKFILL`: the DIDs it lists or the host whose repos it
+/// walks) and where it asks `getRepo` (`FIREKEEPER_SYNC_SOURCE`).
+fn repo_sync(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) {
     use crate::settings::BackfillMode;
     let listed = !options.resync.backfill.is_empty();
     match r.backfill.unwrap_or(if listed { BackfillMode::Dids } else { BackfillMode::Off }) {
@@ -293,6 +294,17 @@ fn backfill(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) 
             }
         }
     }
+    options.resync.source = match r.sync_source.as_deref() {
+        None | Some("pds") => None,
+        Some("relay") => r.relay.as_ref().map(|u| u.http_origin().to_string()),
+        Some(host) => match url::Url::parse(host) {
+            Ok(u) if matches!(u.scheme(), "http" | "https") => Some(host.to_owned()),
+            _ => {
+                errors.push("FIREKEEPER_SYNC_SOURCE must be `pds`, `relay` or an http(s):// URL".into());
+                None
+            }
+        },
+    };
     if !options.resync.enabled && (!options.resync.backfill.is_empty() || options.resync.backfill_list.is_some()) {
         errors.push("FIREKEEPER_BACKFILL needs repo sync: FIREKEEPER_RESYNC=false turns it off".into());
     }
@@ -335,7 +347,7 @@ impl TryFrom<Raw> for Config {
         let sink = sink(&r, &mut errors);
         check_pairing(&r, store, &sink, lease_backend, &mut errors);
         let mut options = r.options.clone();
-        backfill(&r, &mut options, &mut errors);
+        repo_sync(&r, &mut options, &mut errors);
         // Large repos fetched for resync spill to the data directory.
         options.resync.limits.spill_dir.clone_from(&r.data_dir);
         // The verifier's per-repo chains are as many as the chain check's.

@@ -175,6 +175,7 @@ pub struct Raw {
     /// `None`: `dids` when DIDs are listed, else `off`.
     pub backfill: Option<BackfillMode>,
     pub backfill_host: Option<String>,
+    pub sync_source: Option<String>,
     /// `None`: derived from the URLs set.
     pub lease_backend: Option<LeaseKind>,
     /// `None`: the lease backend's store.
@@ -215,6 +216,7 @@ impl Default for Raw {
             admin_token: None,
             backfill: None,
             backfill_host: None,
+            sync_source: None,
             lease_backend: None,
             store: None,
             sink: SinkName::Jsonl,
@@ -444,6 +446,7 @@ pub const SETTINGS: &[Setting] = &[
     setting!("FIREKEEPER_BACKFILL", Kind::Choice, |r, v| r.backfill = Some(choose(v)?), shown "`dids` when `FIREKEEPER_BACKFILL_DIDS` lists any, else `off`", "repo sync's backfill: `off`, `dids` (those of `FIREKEEPER_BACKFILL_DIDS`) or `all` (every active repo `FIREKEEPER_BACKFILL_HOST` lists with `com.atproto.sync.listRepos`, a page at a time while the queue is short, after the repairs of broken repos; the listing's cursor is kept in the cursor store, so a new leader goes on where the last stopped); each repo arrives as a `#resync` (reason `backfill`) and its `#record`s, beside the live stream. `collections` is not built yet"),
     text!("FIREKEEPER_BACKFILL_HOST", Kind::Endpoint, backfill_host, "the primary relay (`wss://` as `https://`)", "the host whose `listRepos` `FIREKEEPER_BACKFILL=all` walks: a relay, or a PDS for its own repos"),
     setting!("FIREKEEPER_BACKFILL_DIDS", Kind::Text, |r, v| r.options.resync.backfill = backfill_dids(v)?, |d| d.options.resync.backfill.len().to_string() + " DIDs", "repos to backfill with repo sync: DIDs separated by commas or whitespace, or `@<path>` of a file of them; each is fetched from its PDS once and handed to the sink as a `#resync` and its `#record`s (reason `backfill`), after the repairs of broken repos; the list's position is kept in the cursor store, so a new leader goes on where the last stopped (keep the list the same across replicas and restarts)"),
+    text!("FIREKEEPER_SYNC_SOURCE", Kind::Endpoint, sync_source, "`pds`", "where repo sync asks `getRepo`: `pds` (the repo's PDS, from its DID document), `relay` (the primary relay, which answers with a redirect to the PDS; at most 3 redirects are followed, each address guarded) or an `http(s)://` host; the signing key always comes from the DID document"),
     count!("FIREKEEPER_SYNC_WORKERS", 1024, options.resync.workers, "repos fetched for resync at a time"),
     millis!("FIREKEEPER_RESYNC_RETRY_MS", options.resync.retry_first, "the first retry of a failed resync waits this long, doubling (with jitter) to an hour; a rate-limited host's `Retry-After`/`RateLimit-Reset` is waited out instead; a repo the PDS says is gone waits for an event of it"),
     count!("FIREKEEPER_RESYNC_ATTEMPTS", 1000, options.resync.attempts, "failed resyncs of a repo before it is listed as `failed` (until an event of it or an operator queues it again)"),

@@ -331,6 +331,31 @@ async fn a_rate_limited_host_is_parked_and_its_other_repos_wait() {
     assert_reference(&testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output")));
 }
 
+/// `FIREKEEPER_SYNC_SOURCE=<relay>`: `getRepo` goes to a relay that answers with a
+/// redirect to the PDS (as the Bluesky relay does); the redirect is followed and the
+/// repo verified against the key of its DID document.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repo_fetched_through_a_redirecting_relay_is_verified_and_delivered() {
+    let pds = testkit::pds::start(every_repo()).await;
+    let (relay, redirected) = testkit::pds::redirecting(&pds).await;
+    let dir = tmpdir("resync-via-relay");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&pds, resync_frames(), &dir).await;
+    env.insert("FIREKEEPER_SYNC_SOURCE".into(), relay);
+    env.insert("FIREKEEPER_BACKFILL_DIDS".into(), RLARGE.into());
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("the repo landed", WAIT, async || {
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"backfill\"} 1\n")
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    assert!(redirected.load(std::sync::atomic::Ordering::Relaxed) >= 1, "asked through the relay");
+    let folded = testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output"));
+    let (count, digest) = &testkit::fold::reference()[RLARGE];
+    assert_eq!((folded[RLARGE].len() as u64, testkit::fold::digest(&folded[RLARGE])), (*count, digest.clone()));
+}
+
 /// The PDS's faults, with the outcome a user expects: a repo it does not host is `gone`
 /// (listed, not retried until an event of it); a 429 is waited out (`Retry-After`) without
 /// counting an attempt, then the repo lands; a repo that does not verify (another

@@ -74,6 +74,9 @@ pub struct ResyncOptions {
     /// PDS: `https://host`), a page at a time while the queue is short, after the listed
     /// DIDs; the listing's cursor is kept in the store.
     pub backfill_list: Option<String>,
+    /// Where `getRepo` is asked: `None` the repo's PDS (from its DID document), else this
+    /// host (a relay, which redirects to the PDS; redirects are followed, at most 3).
+    pub source: Option<String>,
 }
 
 impl Default for ResyncOptions {
@@ -87,6 +90,7 @@ impl Default for ResyncOptions {
             limits: Limits::default(),
             backfill: Vec::new(),
             backfill_list: None,
+            source: None,
         }
     }
 }
@@ -332,6 +336,7 @@ impl Job {
             &r.resolver,
             &r.client,
             &r.hosts,
+            r.opts.source.as_deref(),
             &did,
             &r.opts.limits,
             now_us,

@@ -47,6 +47,7 @@ fn bench(c: &mut Criterion) {
                     &resolver,
                     &client,
                     &repo_sync::hosts::Hosts::default(),
+                    None,
                     LARGE,
                     &limits,
                     now_us,
@@ -74,9 +75,17 @@ fn bench(c: &mut Criterion) {
                     let chunk = chunk.to_vec();
                     set.spawn(async move {
                         for d in &chunk {
-                            fetch_snapshot(&resolver, &client, &repo_sync::hosts::Hosts::default(), d, &limits, now_us)
-                                .await
-                                .expect("snapshot");
+                            fetch_snapshot(
+                                &resolver,
+                                &client,
+                                &repo_sync::hosts::Hosts::default(),
+                                None,
+                                d,
+                                &limits,
+                                now_us,
+                            )
+                            .await
+                            .expect("snapshot");
                         }
                     });
                 }

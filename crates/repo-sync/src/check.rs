@@ -68,7 +68,7 @@ pub async fn check_repo(
     limits: &Limits,
     now_us: i64,
 ) -> Result<Checked, CheckError> {
-    verified(resolver, client, &crate::hosts::Hosts::default(), did, limits, now_us, |pds, snap, bytes| {
+    verified(resolver, client, &crate::hosts::Hosts::default(), None, did, limits, now_us, |pds, snap, bytes| {
         let mut collections = BTreeMap::new();
         for r in &snap.records {
             let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
@@ -86,13 +86,15 @@ pub async fn check_repo(
     .await
 }
 
-/// Resolves, fetches and verifies `did`'s repo, then hands `f` the PDS, the verified
+/// Resolves, fetches (from `via` when given, else the PDS) and verifies `did`'s repo,
+/// then hands `f` the PDS, the verified
 /// snapshot (borrowing the body) and the body's size. Verifying (and what `f` does) runs
 /// on a blocking thread: a large repo takes longer than a runtime worker may be held.
 pub(crate) async fn verified<T, F>(
     resolver: &Resolver,
     client: &guarded_http::Client,
     hosts: &crate::hosts::Hosts,
+    via: Option<&str>,
     did: &str,
     limits: &Limits,
     now_us: i64,
@@ -104,7 +106,9 @@ where
 {
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
-    let url = get_repo_url(&pds, did).map_err(CheckError::Fetch)?;
+    // Through a relay (which redirects to the PDS, each hop guarded) or the PDS itself;
+    // the key comes from the DID document either way.
+    let url = get_repo_url(via.unwrap_or(&pds), did).map_err(CheckError::Fetch)?;
     let host = crate::hosts::key(&url);
     if let Some(left) = hosts.parked(&host) {
         return Err(CheckError::Fetch(FetchError::Parked(left)));

@@ -221,3 +221,32 @@ pub fn docs(base: &str) -> HashMap<String, String> {
         .map(|(did, doc)| (did.clone(), doc.to_string().replace("http://localhost:2583", base)))
         .collect()
 }
+
+/// A stand-in relay for `getRepo`: answers every request with `302 Found` to the same
+/// path and query at `pds`, as the Bluesky relay does; counts the requests it redirected.
+///
+/// # Panics
+/// When it cannot listen.
+pub async fn redirecting(pds: &str) -> (String, Arc<std::sync::atomic::AtomicU32>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let count = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (pds, seen) = (pds.to_owned(), count.clone());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (pds, seen) = (pds.clone(), seen.clone());
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
+                    let target = line.split_whitespace().nth(1).unwrap_or("/");
+                    seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let answer = format!("HTTP/1.1 302 Found\r\nlocation: {pds}{target}\r\ncontent-length: 0\r\n\r\n");
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (base, count)
+}
