@@ -335,8 +335,7 @@ impl Job {
         let outcome = match repo_sync::snapshot::fetch_snapshot(
             &r.resolver,
             &r.client,
-            &r.hosts,
-            r.opts.source.as_deref(),
+            repo_sync::check::Route { hosts: &r.hosts, via: r.opts.source.as_deref() },
             &did,
             &r.opts.limits,
             now_us,

@@ -46,8 +46,7 @@ fn bench(c: &mut Criterion) {
                 .block_on(fetch_snapshot(
                     &resolver,
                     &client,
-                    &repo_sync::hosts::Hosts::default(),
-                    None,
+                    repo_sync::check::Route { hosts: &repo_sync::hosts::Hosts::default(), via: None },
                     LARGE,
                     &limits,
                     now_us,
@@ -78,8 +77,7 @@ fn bench(c: &mut Criterion) {
                             fetch_snapshot(
                                 &resolver,
                                 &client,
-                                &repo_sync::hosts::Hosts::default(),
-                                None,
+                                repo_sync::check::Route { hosts: &repo_sync::hosts::Hosts::default(), via: None },
                                 d,
                                 &limits,
                                 now_us,

@@ -68,7 +68,8 @@ pub async fn check_repo(
     limits: &Limits,
     now_us: i64,
 ) -> Result<Checked, CheckError> {
-    verified(resolver, client, &crate::hosts::Hosts::default(), None, did, limits, now_us, |pds, snap, bytes| {
+    let hosts = crate::hosts::Hosts::default();
+    verified(resolver, client, Route { hosts: &hosts, via: None }, did, limits, now_us, |pds, snap, bytes| {
         let mut collections = BTreeMap::new();
         for r in &snap.records {
             let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
@@ -86,15 +87,24 @@ pub async fn check_repo(
     .await
 }
 
-/// Resolves, fetches (from `via` when given, else the PDS) and verifies `did`'s repo,
+/// Which way a repo is fetched: the hosts parked by their rate limits, and the host asked
+/// instead of the PDS (a relay that redirects to it), if any.
+#[derive(Debug, Clone, Copy)]
+pub struct Route<'a> {
+    /// Hosts parked by their rate limits.
+    pub hosts: &'a crate::hosts::Hosts,
+    /// Ask this host instead of the repo's PDS.
+    pub via: Option<&'a str>,
+}
+
+/// Resolves, fetches (from the route's `via` when given, else the PDS) and verifies `did`'s repo,
 /// then hands `f` the PDS, the verified
 /// snapshot (borrowing the body) and the body's size. Verifying (and what `f` does) runs
 /// on a blocking thread: a large repo takes longer than a runtime worker may be held.
 pub(crate) async fn verified<T, F>(
     resolver: &Resolver,
     client: &guarded_http::Client,
-    hosts: &crate::hosts::Hosts,
-    via: Option<&str>,
+    route: Route<'_>,
     did: &str,
     limits: &Limits,
     now_us: i64,
@@ -108,6 +118,7 @@ where
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
     // Through a relay (which redirects to the PDS, each hop guarded) or the PDS itself;
     // the key comes from the DID document either way.
+    let (hosts, via) = (route.hosts, route.via);
     let url = get_repo_url(via.unwrap_or(&pds), did).map_err(CheckError::Fetch)?;
     let host = crate::hosts::key(&url);
     if let Some(left) = hosts.parked(&host) {

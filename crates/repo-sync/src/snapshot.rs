@@ -48,14 +48,13 @@ pub struct RepoSnapshot {
 pub async fn fetch_snapshot(
     resolver: &Resolver,
     client: &guarded_http::Client,
-    hosts: &crate::hosts::Hosts,
-    via: Option<&str>,
+    route: crate::check::Route<'_>,
     did: &str,
     limits: &Limits,
     now_us: i64,
 ) -> Result<RepoSnapshot, CheckError> {
     let did_owned = did.to_owned();
-    verified(resolver, client, hosts, via, did, limits, now_us, move |pds, snap, bytes| RepoSnapshot {
+    verified(resolver, client, route, did, limits, now_us, move |pds, snap, bytes| RepoSnapshot {
         did: did_owned,
         rev: snap.commit.rev.to_owned(),
         commit: snap.commit.cid.to_string_b32(),
