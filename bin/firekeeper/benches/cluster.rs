@@ -278,6 +278,7 @@ async fn verification(plc: &testkit::plc::Plc) {
 async fn throughput_figures(baseline: Option<&PathBuf>) {
     let (mut raw, mut null, mut jsonl, mut unchained, mut jetstream) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut no_resync = Vec::new();
     let (mut base_null, mut base_jsonl, mut base_js) = (Vec::new(), Vec::new(), Vec::new());
     let js = |bin: Option<PathBuf>| Spec {
         replicas: 1,
@@ -293,6 +294,7 @@ async fn throughput_figures(baseline: Option<&PathBuf>) {
         null.push(throughput(None, "null").await);
         jsonl.push(throughput(None, "jsonl").await);
         unchained.push(throughput_with(None, "null", vec![("FIREKEEPER_CHAIN_BREAKS", "off".into())]).await);
+        no_resync.push(throughput_with(None, "null", vec![("FIREKEEPER_RESYNC", "false".into())]).await);
         jetstream.push(throughput_of(js(None)).await);
         if let Some(b) = baseline {
             base_null.push(throughput(Some(b.clone()), "null").await);
@@ -311,6 +313,8 @@ async fn throughput_figures(baseline: Option<&PathBuf>) {
     let j = report("end-to-end with the jsonl sink (JSON rendered in the lanes, written to a file)", &jsonl);
     println!("ratio jsonl sink / raw ceiling: {:.2}", j / r);
     report("end-to-end without the chain check (FIREKEEPER_CHAIN_BREAKS=off, null sink)", &unchained);
+    let off = report("end-to-end without repo sync (FIREKEEPER_RESYNC=false, null sink)", &no_resync);
+    println!("ratio repo sync on / off (null sink): {:.2}", f / off);
     report(
         "end-to-end into JetStream (NATS lease + NATS cursor + JetStream sink, every publish acknowledged)",
         &jetstream,

@@ -33,6 +33,17 @@ fn resyncs_done(metrics: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// True once the replica at `addr` leads with no repo queued and has counted `n`
+/// resyncs done for `reason`.
+async fn settled(addr: &str, reason: &str, n: u64) -> bool {
+    let Some((200, body)) = http_get(addr, "/status").await else { return false };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+    let Some((200, metrics)) = http_get(addr, "/metrics").await else { return false };
+    v["role"] == "leader"
+        && v["desynchronized"] == 0
+        && metrics.contains(&format!("firekeeper_resyncs_total{{outcome=\"done\",reason=\"{reason}\"}} {n}\n"))
+}
+
 /// Every repo of the reference PDS, served as itself.
 fn every_repo() -> HashMap<String, String> {
     testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect()
@@ -236,14 +247,7 @@ async fn a_backfill_of_listed_dids_folds_to_every_repos_records() {
     env.insert("FIREKEEPER_BACKFILL_DIDS".into(), format!("@{}", list.display()));
     assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
-    eventually("every listed repo backfilled", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
-        v["desynchronized"] == 0
-            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"backfill\"} 9\n")
-    })
-    .await;
+    eventually("every listed repo backfilled", WAIT, async || settled(&addr, "backfill", 9).await).await;
     assert!(sigterm_and_wait(child).success());
     let text = std::fs::read_to_string(&out).expect("output");
     assert_eq!(text.lines().filter(|l| l.contains("\"#resync\"")).count(), 9, "each repo once");
@@ -262,16 +266,8 @@ async fn a_backfill_of_every_listed_repo_walks_the_pages_once() {
     env.insert("FIREKEEPER_BACKFILL".into(), "all".into());
     env.insert("FIREKEEPER_BACKFILL_HOST".into(), base.clone());
     assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
-    let done = async |n: u64| {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
-        v["role"] == "leader"
-            && v["desynchronized"] == 0
-            && metrics.contains(&format!("firekeeper_resyncs_total{{outcome=\"done\",reason=\"backfill\"}} {n}\n"))
-    };
     let child = firekeeper(&env, &[], &dir.join("a.log"));
-    eventually("every listed repo backfilled", WAIT, async || done(9).await).await;
+    eventually("every listed repo backfilled", WAIT, async || settled(&addr, "backfill", 9).await).await;
     assert!(sigterm_and_wait(child).success());
     let log = std::fs::read_to_string(dir.join("a.log")).expect("log");
     assert_eq!(log.matches("backfill: a page of the host's repos queued").count(), 3, "{log}");
@@ -312,14 +308,7 @@ async fn a_rate_limited_host_is_parked_and_its_other_repos_wait() {
     env.insert("FIREKEEPER_SYNC_WORKERS".into(), "1".into());
     assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
-    eventually("every repo landed after the host's window", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
-        v["desynchronized"] == 0
-            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"backfill\"} 9\n")
-    })
-    .await;
+    eventually("every repo landed after the host's window", WAIT, async || settled(&addr, "backfill", 9).await).await;
     let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
     assert!(sigterm_and_wait(child).success());
     assert_eq!(answered.load(std::sync::atomic::Ordering::Relaxed), 1, "one 429: {metrics}");
@@ -475,15 +464,8 @@ async fn an_operator_resync_is_kept_and_survives_the_leader() {
     a.kill().expect("kill");
     let _ = a.wait();
     let b = firekeeper(&env, &[], &dir.join("b.log"));
-    eventually("the next leader finished the requested resync", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
-        v["role"] == "leader"
-            && v["desynchronized"] == 0
-            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"operator\"} 2\n")
-    })
-    .await;
+    eventually("the next leader finished the requested resync", WAIT, async || settled(&addr, "operator", 2).await)
+        .await;
     assert!(sigterm_and_wait(b).success());
     let text = std::fs::read_to_string(&out).expect("output");
     let snapshots: Vec<&str> = text.lines().filter(|l| l.contains("\"#resync\"")).collect();

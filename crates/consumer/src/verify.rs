@@ -144,6 +144,23 @@ pub struct Desynced {
     again: Again,
 }
 
+impl Desynced {
+    /// A new entry, queued and due at `now`.
+    fn queued(repo: &str, seq: u64, reason: &'static str, rev: Option<&str>, now: i64) -> Self {
+        Self {
+            repo: repo.to_owned(),
+            seq,
+            reason,
+            rev: rev.map(str::to_owned),
+            since: now,
+            state: state::QUEUED,
+            attempts: 0,
+            due: now,
+            again: Again::No,
+        }
+    }
+}
+
 /// Marks of a repo while its resync was in flight.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 enum Again {
@@ -365,18 +382,7 @@ impl Desync {
                 _ => {}
             }
         } else if r.len() < max || max == 0 {
-            let d = Desynced {
-                repo: repo.to_owned(),
-                seq,
-                reason,
-                rev: rev.map(str::to_owned),
-                since: now,
-                state: state::QUEUED,
-                attempts: 0,
-                due: now,
-                again: Again::No,
-            };
-            r.insert(repo.to_owned(), d);
+            r.insert(repo.to_owned(), Desynced::queued(repo, seq, reason, rev, now));
         } else {
             return;
         }
@@ -466,18 +472,7 @@ impl Desync {
                     }
                 }
             } else if r.len() < max || max == 0 {
-                let d = Desynced {
-                    repo: repo.to_owned(),
-                    seq: 0,
-                    reason: crate::resync::reason::OPERATOR,
-                    rev: None,
-                    since: now,
-                    state: state::QUEUED,
-                    attempts: 0,
-                    due: now,
-                    again: Again::No,
-                };
-                r.insert(repo.to_owned(), d);
+                r.insert(repo.to_owned(), Desynced::queued(repo, 0, crate::resync::reason::OPERATOR, None, now));
                 self.len.store(r.len(), Ordering::Relaxed);
                 metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
                 Requested::Queued
