@@ -140,6 +140,67 @@ async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_referenc
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
+/// The held-back scenario's shape: the chain-break capture with one more commit tampered
+/// (a record changed under its CID), `FIREKEEPER_VERIFY=full`: the tampered commit, and
+/// each commit that does not continue its repo's chain, reach the sink as `#invalid`, and
+/// their repos are resynchronised; folding the output gives every repo's reference
+/// records, the tampered repo's included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_commit_and_chain_breaks_are_repaired_and_the_fold_equals_the_reference() {
+    let rsmall1 = "did:plc:4fqcvmfbjmzuc7dzjjm6ss6q";
+    let frames = resync_frames();
+    let victim = frames
+        .iter()
+        .filter_map(|f| match relay_client::decode(f).ok()? {
+            relay_client::Frame::Message(relay_client::Message::Commit(c))
+                if c.repo == rsmall1 && c.ops.iter().any(|o| o.cid.is_some()) =>
+            {
+                Some(c.seq)
+            }
+            _ => None,
+        })
+        .nth(2)
+        .expect("a commit of rsmall1 with a record");
+    let frames: Vec<_> = frames
+        .iter()
+        .map(|f| if relay_sim::frame_seq(f) == Some(victim) { testkit::tamper::record_changed(f) } else { f.clone() })
+        .collect();
+    let base = testkit::pds::start(every_repo()).await;
+    let dir = tmpdir("resync-tampered");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, frames, &dir).await;
+    env.insert("FIREKEEPER_VERIFY".into(), "full".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("the stream committed and every marked repo resynchronised", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["committed"] == 508 && v["desynchronized"] == 0 && metrics.contains("reason=\"cid\"} 1\n")
+    })
+    .await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert!(sigterm_and_wait(child).success());
+    let text = std::fs::read_to_string(&out).expect("output");
+    // The tampered commit is `#invalid` (cid); with verification a commit that does not
+    // continue its repo's chain is `#invalid` (chain) too, not delivered as itself.
+    let invalid: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|l| l.contains("\"#invalid\""))
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["event"].clone())
+        .collect();
+    let cid: Vec<&serde_json::Value> = invalid.iter().filter(|e| e["reason"] == "cid").collect();
+    assert_eq!(cid.len(), 1, "{invalid:?}");
+    assert_eq!(cid[0]["repo"], rsmall1);
+    assert!(invalid.iter().all(|e| e["reason"] == "cid" || e["reason"] == "chain"), "{invalid:?}");
+    let resynced: std::collections::BTreeSet<String> = text
+        .lines()
+        .filter(|l| l.contains("\"#resync\""))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["event"]["repo"].as_str().map(str::to_owned))
+        .collect();
+    assert!(resynced.contains(rsmall1) && resynced.contains(RLARGE) && resynced.contains(RSMALL2), "{resynced:?}: {metrics}");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
 /// The same through the Postgres sink with its records mirror: the `firekeeper_records`
 /// table equals the reference record set of every repo.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
