@@ -21,6 +21,9 @@ trap 'kill $sim 2>/dev/null || true' EXIT
 sleep 0.3
 export FIREKEEPER_RELAY=${FIREKEEPER_RELAY:-ws://$listen}
 export FIREKEEPER_LOG_FORMAT=${FIREKEEPER_LOG_FORMAT:-text}
+# The demo capture's DIDs resolve nowhere (its PDS and PLC are not running): verification,
+# on by default, would hold every commit waiting for a key.
+export FIREKEEPER_VERIFY=${FIREKEEPER_VERIFY:-off}
 # First run: start from the beginning of the capture instead of the live tail.
 if "$bin/firekeeper" cursor show | grep -q 'cursor none'; then
   "$bin/firekeeper" cursor set 0 >&2

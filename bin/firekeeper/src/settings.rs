@@ -202,7 +202,10 @@ pub struct Raw {
 
 impl Default for Raw {
     fn default() -> Self {
-        let options = Options::default();
+        let mut options = Options::default();
+        // The binary verifies by default (the library leaves it to the embedder): with repo
+        // sync, a commit that does not verify is repaired from its PDS instead of delivered.
+        options.verify.mode = VerifyMode::Full;
         Self {
             relay: RelayUrl::parse("wss://bsky.network").ok(),
             relay_secondary: None,

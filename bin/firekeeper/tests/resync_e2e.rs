@@ -141,7 +141,8 @@ async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_referenc
 }
 
 /// The held-back scenario's shape: the chain-break capture with one more commit tampered
-/// (a record changed under its CID), `FIREKEEPER_VERIFY=full`: the tampered commit, and
+/// (a record changed under its CID: the last of its repo, so no later commit's chain
+/// check repairs it), `FIREKEEPER_VERIFY=full`: the tampered commit, and
 /// each commit that does not continue its repo's chain, reach the sink as `#invalid`, and
 /// their repos are resynchronised; folding the output gives every repo's reference
 /// records, the tampered repo's included.
@@ -159,7 +160,7 @@ async fn a_tampered_commit_and_chain_breaks_are_repaired_and_the_fold_equals_the
             }
             _ => None,
         })
-        .nth(2)
+        .last()
         .expect("a commit of rsmall1 with a record");
     let frames: Vec<_> = frames
         .iter()
@@ -197,7 +198,10 @@ async fn a_tampered_commit_and_chain_breaks_are_repaired_and_the_fold_equals_the
         .filter(|l| l.contains("\"#resync\""))
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["event"]["repo"].as_str().map(str::to_owned))
         .collect();
-    assert!(resynced.contains(rsmall1) && resynced.contains(RLARGE) && resynced.contains(RSMALL2), "{resynced:?}: {metrics}");
+    assert!(
+        resynced.contains(rsmall1) && resynced.contains(RLARGE) && resynced.contains(RSMALL2),
+        "{resynced:?}: {metrics}"
+    );
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
