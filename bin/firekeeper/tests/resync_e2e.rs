@@ -234,14 +234,45 @@ async fn the_postgres_records_table_equals_the_reference_after_a_chain_break() {
 /// The leader lost (killed, or frozen past its ttl) while the large repo's download is in
 /// flight: the next leader fetches it again and finishes; the woken one writes nothing;
 /// the fold equals the reference and the repo's snapshot is in the output once.
+/// Where the lease and the resync queue live in a lost-leader run.
+enum Store {
+    /// Both in Redis.
+    Redis,
+    /// Both in NATS JetStream KV.
+    Nats,
+    /// The lease in Redis, the cursor and the queue in Postgres.
+    Postgres,
+}
+
 async fn a_leader_lost_during_a_resync(freeze: bool) {
+    a_leader_lost_during_a_resync_on(freeze, &Store::Redis).await;
+}
+
+async fn a_leader_lost_during_a_resync_on(freeze: bool, store: &Store) {
     let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
     let base = testkit::pds::start_slow(every_repo(), slow).await;
     let dir = tmpdir(if freeze { "resync-freeze" } else { "resync-kill" });
     let World { mut env, out, plc: _plc, _relay, .. } = world(&base, resync_frames(), &dir).await;
     // A shared lease (a lock file would stay held by the frozen process).
-    let redis = testkit::RedisServer::start();
-    env.insert("REDIS_URL".into(), redis.url());
+    let (mut _redis, mut _nats, mut _pg) = (None, None, None);
+    match store {
+        Store::Redis | Store::Postgres => {
+            let redis = testkit::RedisServer::start();
+            env.insert("REDIS_URL".into(), redis.url());
+            _redis = Some(redis);
+        }
+        Store::Nats => {
+            let nats = testkit::NatsServer::start();
+            env.insert("NATS_URL".into(), nats.url());
+            _nats = Some(nats);
+        }
+    }
+    if let Store::Postgres = store {
+        let pg = testkit::PgServer::start();
+        env.insert("DATABASE_URL".into(), pg.url());
+        env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
+        _pg = Some(pg);
+    }
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let (addr_a, addr_b) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
     let mut env_a = env.clone();
@@ -297,6 +328,19 @@ async fn a_leader_killed_during_a_resync_is_finished_by_the_next() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_frozen_during_a_resync_writes_nothing_when_it_wakes() {
     a_leader_lost_during_a_resync(true).await;
+}
+
+/// The same scenarios with the lease and the queue in NATS KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_nats_a_leader_killed_or_frozen_during_a_resync_loses_nothing() {
+    a_leader_lost_during_a_resync_on(false, &Store::Nats).await;
+    a_leader_lost_during_a_resync_on(true, &Store::Nats).await;
+}
+
+/// The kill with the queue kept in Postgres (the lease in Redis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_leader_killed_during_a_resync_is_finished_by_the_next() {
+    a_leader_lost_during_a_resync_on(false, &Store::Postgres).await;
 }
 
 /// Backfill: a deployment that starts at the head of the stream, with the reference PDS's
