@@ -189,15 +189,7 @@ fn entry_line(r: &serde_json::Value) -> String {
 
 /// Percent-encodes a query value (a DID's `:` and `%` survive the trip).
 fn encoded(v: &str) -> String {
-    v.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
+    url::form_urlencoded::byte_serialize(v.as_bytes()).collect()
 }
 
 /// Prints the resync queue a running replica lists at `/repos/invalid`, optionally only

@@ -192,34 +192,7 @@ fn is_did(s: &str) -> bool {
 
 /// The query's `key=value` pairs, percent-decoded.
 fn params(query: &str) -> Vec<(String, String)> {
-    query
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (decode(k), decode(v))
-        })
-        .collect()
-}
-
-/// Percent-decoding (`%3A` → `:`); a malformed escape is kept as it is.
-fn decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let hex = |c: u8| (c as char).to_digit(16);
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut at = 0;
-    while at < bytes.len() {
-        let escape =
-            (bytes[at] == b'%').then(|| Some((hex(*bytes.get(at + 1)?)?, hex(*bytes.get(at + 2)?)?))).flatten();
-        if let Some((high, low)) = escape {
-            out.push((high * 16 + low) as u8);
-            at += 3;
-        } else {
-            out.push(bytes[at]);
-            at += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    url::form_urlencoded::parse(query.as_bytes()).into_owned().collect()
 }
 
 #[cfg(test)]
@@ -276,7 +249,7 @@ mod tests {
                 ("x".into(), String::new())
             ]
         );
-        assert_eq!(decode("a%2"), "a%2");
+        assert_eq!(params("x=a%2"), vec![("x".into(), "a%2".into())], "a malformed escape is kept as it is");
         assert!(is_did("did:plc:abc") && !is_did("did:key:z") && !is_did("did:plc:a b"));
     }
 }

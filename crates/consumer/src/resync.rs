@@ -245,7 +245,7 @@ impl Resyncer {
         if self.listing_after.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t)) {
             return Ok(());
         }
-        let page = match list_repos(&self.client, host, after.as_deref()).await {
+        let page = match repo_sync::list::list_repos(&self.client, host, after.as_deref()).await {
             Ok(p) => p,
             Err(why) => {
                 tracing::warn!(error = %why, "backfill: listing the host's repos failed; asking again in 30 s");
@@ -272,51 +272,6 @@ impl Resyncer {
         tracing::info!(queued, inactive = page.inactive, done, "backfill: a page of the host's repos queued");
         Ok(())
     }
-}
-
-/// One page of `com.atproto.sync.listRepos`.
-struct ListPage {
-    /// The active repos' DIDs.
-    active: Vec<String>,
-    /// Repos listed inactive (skipped).
-    inactive: usize,
-    /// The next page's cursor.
-    cursor: Option<String>,
-    /// The page listed no repo (the end, whatever the cursor says).
-    empty: bool,
-}
-
-/// Repos asked for per listing page (the most `listRepos` serves).
-const LIST_LIMIT: usize = 1000;
-
-/// Asks `host` for the page of its repos after `cursor`.
-async fn list_repos(client: &guarded_http::Client, host: &str, cursor: Option<&str>) -> Result<ListPage, String> {
-    let mut url = url::Url::parse(host).map_err(|e| format!("FIREKEEPER_BACKFILL_HOST is not a URL: {e}"))?;
-    url.set_path("/xrpc/com.atproto.sync.listRepos");
-    url.query_pairs_mut().clear().append_pair("limit", &LIST_LIMIT.to_string());
-    if let Some(c) = cursor {
-        url.query_pairs_mut().append_pair("cursor", c);
-    }
-    let req = client.get(url.as_str()).map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_mins(1), req.send())
-        .await
-        .map_err(|_| "timed out".to_owned())?
-        .map_err(|e| guarded_http::kind(&e).to_owned())?;
-    if !resp.status().is_success() {
-        return Err(format!("HTTP {}", resp.status().as_u16()));
-    }
-    let body = guarded_http::read_bounded(resp, 16 << 20).await.map_err(|e| e.to_string())?;
-    let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| format!("not a listRepos page: {e}"))?;
-    let repos = v["repos"].as_array().ok_or("not a listRepos page: no repos")?;
-    let (mut active, mut inactive) = (Vec::with_capacity(repos.len()), 0);
-    for r in repos {
-        match r["did"].as_str() {
-            Some(did) if r["active"] != false && did.starts_with("did:") => active.push(did.to_owned()),
-            _ => inactive += 1,
-        }
-    }
-    let cursor = v["cursor"].as_str().filter(|c| !c.is_empty()).map(str::to_owned);
-    Ok(ListPage { empty: repos.is_empty(), active, inactive, cursor })
 }
 
 /// One repo's resync within a term.
@@ -390,19 +345,19 @@ impl Job {
     }
 }
 
+/// Try again once `wait` is over, without counting an attempt.
+fn later(wait: Duration) -> Outcome {
+    Outcome::Later(now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX / 4)))
+}
+
 /// What a failed fetch means for the queue, and its metric label.
 fn classify(e: &CheckError) -> (Outcome, &'static str) {
     match e {
         CheckError::Fetch(FetchError::Gone(_)) => (Outcome::Gone, "gone"),
         CheckError::Fetch(FetchError::RateLimited(rl)) => {
-            let wait = rl.wait.unwrap_or(Duration::from_mins(1));
-            let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX / 4);
-            (Outcome::Later(now_ms().saturating_add(ms)), "rate_limited")
+            (later(rl.wait.unwrap_or(repo_sync::hosts::DEFAULT_PARK)), "rate_limited")
         }
-        CheckError::Fetch(FetchError::Parked(left)) => {
-            let ms = i64::try_from(left.as_millis()).unwrap_or(i64::MAX / 4);
-            (Outcome::Later(now_ms().saturating_add(ms)), "parked")
-        }
+        CheckError::Fetch(FetchError::Parked(left)) => (later(*left), "parked"),
         CheckError::Verify(_) => (Outcome::Failed, "invalid"),
         _ => (Outcome::Failed, "failed"),
     }

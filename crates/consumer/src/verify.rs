@@ -365,7 +365,6 @@ impl Desync {
     /// resync, or queues it again after the one in flight).
     pub(crate) fn mark_repo(&self, seq: u64, repo: &str, reason: &'static str, rev: Option<&str>) {
         let Ok(mut r) = self.repos.lock() else { return };
-        let max = self.max.load(Ordering::Relaxed);
         let now = now_ms();
         if let Some(d) = r.get_mut(repo) {
             d.seq = seq;
@@ -381,16 +380,24 @@ impl Desync {
                 }
                 _ => {}
             }
-        } else if r.len() < max || max == 0 {
-            r.insert(repo.to_owned(), Desynced::queued(repo, seq, reason, rev, now));
-        } else {
+        } else if !self.insert_queued(&mut r, Desynced::queued(repo, seq, reason, rev, now)) {
             return;
         }
+        drop(r);
         self.set_dirty(repo);
+        self.queued.notify_one();
+    }
+
+    /// Inserts a new entry unless the list is at its bound; true when it was inserted.
+    fn insert_queued(&self, r: &mut HashMap<String, Desynced>, d: Desynced) -> bool {
+        let max = self.max.load(Ordering::Relaxed);
+        if max != 0 && r.len() >= max {
+            return false;
+        }
+        r.insert(d.repo.clone(), d);
         self.len.store(r.len(), Ordering::Relaxed);
         metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
-        drop(r);
-        self.queued.notify_one();
+        true
     }
 
     fn clear(&self, repo: &str) {
@@ -452,7 +459,6 @@ impl Desync {
         let now = now_ms();
         let done = {
             let Ok(mut r) = self.repos.lock() else { return Requested::Full };
-            let max = self.max.load(Ordering::Relaxed);
             if let Some(d) = r.get_mut(repo) {
                 match d.state {
                     state::RESYNCING => {
@@ -471,10 +477,8 @@ impl Desync {
                         Requested::Restarted
                     }
                 }
-            } else if r.len() < max || max == 0 {
-                r.insert(repo.to_owned(), Desynced::queued(repo, 0, crate::resync::reason::OPERATOR, None, now));
-                self.len.store(r.len(), Ordering::Relaxed);
-                metrics::gauge!(m::DESYNC_REPOS).set(r.len() as f64);
+            } else if self.insert_queued(&mut r, Desynced::queued(repo, 0, crate::resync::reason::OPERATOR, None, now))
+            {
                 Requested::Queued
             } else {
                 return Requested::Full;

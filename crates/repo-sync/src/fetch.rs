@@ -212,7 +212,7 @@ async fn attempt(client: &guarded_http::Client, url: &url::Url, limits: &Limits)
 }
 
 /// A transport error, with the guard's refusal told apart.
-fn transport(e: &reqwest::Error) -> FetchError {
+pub(crate) fn transport(e: &reqwest::Error) -> FetchError {
     match guarded_http::refused(e) {
         Some(why) => FetchError::Refused(why),
         None => FetchError::Failed(guarded_http::kind(e).to_owned()),

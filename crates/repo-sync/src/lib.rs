@@ -13,4 +13,5 @@
 pub mod check;
 pub mod fetch;
 pub mod hosts;
+pub mod list;
 pub mod snapshot;
