@@ -167,6 +167,21 @@ pub fn check_commit_in<'a>(
         return Err(CommitError::Root);
     }
     let block = car.get(*root).ok_or(CommitError::MissingCommit)?;
+    check_commit_block(*root, block, repo, key)
+}
+
+/// Checks `block` as the signed commit `root` of `repo` (wherever the block came from:
+/// a CAR in memory, or a repo spilled to disk): it hashes to `root`, names the repo,
+/// is version 3 and is signed by `key`.
+///
+/// # Errors
+/// The first thing that is not as claimed.
+pub fn check_commit_block<'a>(
+    root: Cid<'a>,
+    block: &'a [u8],
+    repo: &str,
+    key: &PublicKey,
+) -> Result<Commit<'a>, CommitError> {
     if atproto_data::car::cid_for(block) != root.as_bytes() {
         return Err(CommitError::Cid);
     }
@@ -178,5 +193,5 @@ pub fn check_commit_in<'a>(
         return Err(CommitError::Version(p.version));
     }
     key.verify(&unsigned(block, &p)?, p.sig)?;
-    Ok(Commit { cid: *root, did: p.did, rev: p.rev, data: p.data, prev: p.prev })
+    Ok(Commit { cid: root, did: p.did, rev: p.rev, data: p.data, prev: p.prev })
 }

@@ -250,20 +250,22 @@ fn flatten(
     Ok(layer)
 }
 
-struct Entry<'a> {
-    key: Vec<u8>,
-    value: &'a [u8],
-    right: Option<&'a [u8]>,
-    height: u32,
+/// One decoded node entry: its full key, record CID, right subtree and layer.
+pub(crate) struct Entry<'a> {
+    pub(crate) key: Vec<u8>,
+    pub(crate) value: &'a [u8],
+    pub(crate) right: Option<&'a [u8]>,
+    pub(crate) height: u32,
 }
 
-struct Node<'a> {
-    left: Option<&'a [u8]>,
-    entries: Vec<Entry<'a>>,
+/// One decoded node: its left subtree and entries.
+pub(crate) struct Node<'a> {
+    pub(crate) left: Option<&'a [u8]>,
+    pub(crate) entries: Vec<Entry<'a>>,
 }
 
 /// Decodes one node block (`{e: [{k, p, t, v}], l}`), rebuilding each full key.
-fn decode(block: &[u8]) -> Result<Node<'_>, MstError> {
+pub(crate) fn decode(block: &[u8]) -> Result<Node<'_>, MstError> {
     let bad = |e: atproto_data::CborError| invalid(format!("tree node: {e}"));
     let mut rd = Reader::new(block);
     let fields = rd.map().map_err(bad)?;

@@ -10,7 +10,9 @@ use atproto_crypto::PublicKey;
 use atproto_data::car::Car;
 use atproto_data::cid::Cid;
 
-use crate::mst::{MstError, Partial};
+use std::borrow::Cow;
+
+use crate::mst::MstError;
 use crate::{Commit, CommitError, check_commit_in};
 
 /// Why a fetched repo is not a verified snapshot of the repo asked for.
@@ -37,6 +39,9 @@ pub enum RepoError {
     /// A record the tree names is not in the CAR.
     #[error("the record {0} is not in the CAR")]
     MissingRecord(String),
+    /// The blocks could not be read (a repo spilled to disk).
+    #[error("reading the repo's blocks: {0}")]
+    Read(#[source] std::io::Error),
     /// The commit's rev is not a TID, or names a time more than [`REV_SKEW_US`] ahead
     /// of the verifier's clock (a forged rev would make every later commit look old).
     #[error("the commit's rev {0:?} is not a TID or lies in the future")]
@@ -85,33 +90,134 @@ pub fn verify_repo_bytes<'a>(
 }
 
 /// Verifies `car` (the body of `getRepo`, its blocks checked against their CIDs by
-/// `Car::parse(.., true)`, and indexed by `Car::index` for the look-ups) as the whole repo of `did` signed with `key`; `now_us` is the
-/// verifier's clock (microseconds since the epoch), which the commit's rev may not pass
-/// by more than [`REV_SKEW_US`].
+/// `Car::parse(.., true)`, and indexed by `Car::index` for the look-ups) as the whole repo
+/// of `did` signed with `key`; `now_us` is the verifier's clock (microseconds since the
+/// epoch), which the commit's rev may not pass by more than [`REV_SKEW_US`].
 ///
 /// # Errors
 /// The first check the repo fails, as a [`RepoError`].
 pub fn verify_repo<'a>(car: &Car<'a>, did: &str, key: &PublicKey, now_us: i64) -> Result<Snapshot<'a>, RepoError> {
     let commit = check_commit_in(car, None, did, key).map_err(RepoError::Commit)?;
-    let rev_time = atproto_data::tid::parse(commit.rev).map(atproto_data::tid::time_us);
-    if rev_time.is_none_or(|t| t > now_us.saturating_add(REV_SKEW_US)) {
-        return Err(RepoError::Rev(commit.rev.to_owned()));
-    }
-    let tree = Partial::load(car, commit.data).map_err(RepoError::Tree)?;
-    let leaves = tree.leaves().ok_or(RepoError::Incomplete)?;
-    let mut records = Vec::with_capacity(leaves.len());
-    let mut last: Option<&[u8]> = None;
-    for (k, v) in &leaves {
-        let key = next_key(k, last)?;
-        last = Some(k);
-        let cid = Cid::from_bytes(v).map_err(|_| RepoError::Key(key.to_owned()))?;
-        let block = car.get(cid).ok_or_else(|| RepoError::MissingRecord(key.to_owned()))?;
-        records.push(Record { key: key.to_owned(), cid: v.to_vec(), block });
-    }
-    if tree.rebuild().map_err(RepoError::Tree)? != commit.data.as_bytes() {
-        return Err(RepoError::NotCanonical);
-    }
+    check_rev(commit.rev, now_us)?;
+    let mut records = Vec::new();
+    walk_tree(car, commit.data.as_bytes(), |k, v| {
+        let cid = Cid::from_bytes(v).map_err(|_| RepoError::Key(k.to_owned()))?;
+        let block = car.get(cid).ok_or_else(|| RepoError::MissingRecord(k.to_owned()))?;
+        records.push(Record { key: k.to_owned(), cid: v.to_vec(), block });
+        Ok(())
+    })?;
     Ok(Snapshot { commit, records })
+}
+
+/// Refuses a rev that is not a TID or lies more than [`REV_SKEW_US`] after `now_us`.
+///
+/// # Errors
+/// [`RepoError::Rev`].
+pub fn check_rev(rev: &str, now_us: i64) -> Result<(), RepoError> {
+    let rev_time = atproto_data::tid::parse(rev).map(atproto_data::tid::time_us);
+    if rev_time.is_none_or(|t| t > now_us.saturating_add(REV_SKEW_US)) {
+        return Err(RepoError::Rev(rev.to_owned()));
+    }
+    Ok(())
+}
+
+/// Where a repo's blocks come from: a CAR in memory, or one spilled to a file and read
+/// by offset (a repo larger than memory should hold). The source has checked every block
+/// against its CID.
+pub trait Blocks {
+    /// The data of the block named by `cid` (binary), if the source holds it.
+    ///
+    /// # Errors
+    /// When the source cannot be read.
+    fn block(&self, cid: &[u8]) -> std::io::Result<Option<Cow<'_, [u8]>>>;
+}
+
+impl Blocks for Car<'_> {
+    fn block(&self, cid: &[u8]) -> std::io::Result<Option<Cow<'_, [u8]>>> {
+        Ok(Cid::from_bytes(cid).ok().and_then(|c| self.get(c)).map(Cow::Borrowed))
+    }
+}
+
+/// The deepest tree walked (a fanout of 4 reaches every repo there is long before).
+const MAX_DEPTH: u32 = 64;
+
+/// How every tree node is named: a `CIDv1`, DAG-CBOR, SHA-256 (what the tree's encoder
+/// produces, so another codec with the same digest is another tree).
+const NODE_CID_PREFIX: [u8; 4] = [0x01, 0x71, 0x12, 0x20];
+
+/// Walks the tree under `root` in key order, checking it whole as it goes, and hands
+/// `leaf` each key (`collection/rkey`) and record CID; returns how many there were.
+///
+/// What is checked, node by node, is what makes the tree the one its keys define (so no
+/// re-encoding is needed): every node is present (else [`RepoError::Incomplete`]) and a
+/// valid, canonically encoded node; every key sits on its node's layer; children are one
+/// layer down; no subtree is empty; the root holds a key unless the repo is empty
+/// ([`RepoError::NotCanonical`]); keys are valid and strictly increasing across the
+/// whole walk. Memory is the path from the root: nothing else is kept.
+///
+/// # Errors
+/// The first thing the tree breaks, or what `leaf` returns.
+pub fn walk_tree<B: Blocks + ?Sized>(
+    blocks: &B,
+    root: &[u8],
+    leaf: impl FnMut(&str, &[u8]) -> Result<(), RepoError>,
+) -> Result<u64, RepoError> {
+    let mut w = Walk { blocks, last: Vec::new(), count: 0, leaf };
+    w.node(root, None, 0)?;
+    Ok(w.count)
+}
+
+/// A walk in progress: the last key seen and how many.
+struct Walk<'b, B: ?Sized, F> {
+    blocks: &'b B,
+    last: Vec<u8>,
+    count: u64,
+    leaf: F,
+}
+
+fn tree(what: &str) -> RepoError {
+    RepoError::Tree(MstError::Invalid(what.to_owned()))
+}
+
+impl<B: Blocks + ?Sized, F: FnMut(&str, &[u8]) -> Result<(), RepoError>> Walk<'_, B, F> {
+    /// Walks the node named `cid`, which must be on `layer` (`None`: the root, on the
+    /// layer of its keys).
+    fn node(&mut self, cid: &[u8], layer: Option<u32>, depth: u32) -> Result<(), RepoError> {
+        if depth > MAX_DEPTH {
+            return Err(tree("tree deeper than 64 layers"));
+        }
+        if cid.len() != 36 || !cid.starts_with(&NODE_CID_PREFIX) {
+            return Err(tree("a tree link that is not a DAG-CBOR SHA-256 CID"));
+        }
+        let block = self.blocks.block(cid).map_err(RepoError::Read)?.ok_or(RepoError::Incomplete)?;
+        let node = crate::mst::decode(&block).map_err(RepoError::Tree)?;
+        let layer = match (node.entries.first(), layer) {
+            (Some(e), None) => e.height,
+            (Some(e), Some(l)) if e.height == l => l,
+            (Some(_), Some(_)) => return Err(tree("a node's keys are not on its layer")),
+            // The empty repo; a root with a subtree and no key is a layer too many.
+            (None, None) => return if node.left.is_none() { Ok(()) } else { Err(RepoError::NotCanonical) },
+            (None, Some(_)) if node.left.is_none() => return Err(tree("an empty node inside the tree")),
+            (None, Some(l)) => l,
+        };
+        let below = || layer.checked_sub(1).ok_or_else(|| tree("a layer-0 node has children"));
+        if let Some(l) = node.left {
+            self.node(l, Some(below()?), depth + 1)?;
+        }
+        for e in &node.entries {
+            if e.height != layer {
+                return Err(tree("a node's keys are not all on one layer"));
+            }
+            let key = next_key(&e.key, (self.count > 0).then_some(self.last.as_slice()))?;
+            (self.leaf)(key, e.value)?;
+            self.last.clone_from(&e.key);
+            self.count += 1;
+            if let Some(r) = e.right {
+                self.node(r, Some(below()?), depth + 1)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `k` as the next key of a tree whose previous key was `last`: valid, and after it.
