@@ -34,6 +34,7 @@ bench: deps
 	$(CARGO) bench -p atproto-repo --bench check
 	$(CARGO) bench -p repo-sync --bench snapshot
 	$(CARGO) bench -p firekeeper --bench cluster
+	$(CARGO) bench -p firekeeper --bench giant
 
 chaos: deps
 	FK_SWITCH_CASES=20000 $(CARGO) nextest run -p consumer -E 'test(every_generated_switch)' --no-fail-fast

@@ -87,8 +87,14 @@ enum Sink {
 /// repo is left desynchronised; returns the jsonl output (empty for Postgres), the
 /// metrics at the end and the log.
 async fn run(sink: &Sink, dir: &std::path::Path) -> (String, String, String) {
+    run_with(sink, dir, &[]).await
+}
+
+/// [`run`] with more settings.
+async fn run_with(sink: &Sink, dir: &std::path::Path, extra: &[(&str, &str)]) -> (String, String, String) {
     let base = testkit::pds::start(every_repo()).await;
     let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), dir).await;
+    env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     if let Sink::Postgres(pg) = sink {
         env.insert("FIREKEEPER_SINK".into(), "postgres".into());
         env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
@@ -207,13 +213,60 @@ async fn a_tampered_commit_and_chain_breaks_are_repaired_and_the_fold_equals_the
 
 /// The same through the Postgres sink with its records mirror: the `firekeeper_records`
 /// table equals the reference record set of every repo.
+/// The same with every fetched repo over the memory bound: spilled to the data directory,
+/// read back by offset, handed over a part at a time (the large repo's 20,000 records in
+/// five parts, one `#resync`); the fold equals the reference and no spill file is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repo_spilled_to_disk_reaches_jsonl_a_part_at_a_time_and_folds_to_the_reference() {
+    let dir = tmpdir("resync-spill");
+    let (text, _, log) = run_with(&Sink::Jsonl, &dir, &[("FIREKEEPER_SYNC_MEMORY_BYTES", "65536")]).await;
+    assert!(log.contains("repo resynchronised from its PDS"), "{log}");
+    let large: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON"))
+        .filter(|l| l["event"]["repo"] == RLARGE && l["seq"].is_null())
+        .collect();
+    assert_eq!(large.iter().filter(|l| l["event"]["type"] == "#resync").count(), 1, "one #resync");
+    assert_eq!(large.iter().filter(|l| l["event"]["type"] == "#record").count(), 20_000, "every record once");
+    assert_eq!(large[0]["event"]["type"], "#resync", "the #resync first");
+    assert_eq!(large[0]["event"]["records"], 20_000);
+    assert_reference(&testkit::fold::jsonl(&text));
+    assert_no_spill_left(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_postgres_records_table_equals_the_reference_after_a_chain_break() {
+    the_postgres_records_table_equals_the_reference(&[]).await;
+}
+
+/// A repo over the memory bound is spilled to the data directory, read back by offset
+/// and handed over a part at a time (20,000 records: five parts): the records table still
+/// equals the reference, and no spill file is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repo_spilled_to_disk_fills_the_postgres_records_table_a_part_at_a_time() {
+    let dir = the_postgres_records_table_equals_the_reference(&[("FIREKEEPER_SYNC_MEMORY_BYTES", "65536")]).await;
+    assert_no_spill_left(&dir);
+}
+
+/// No `getRepo` body is left in the data directory under `dir`, where they were spilled.
+fn assert_no_spill_left(dir: &std::path::Path) {
+    let left: Vec<_> = std::fs::read_dir(dir.join("data"))
+        .expect("dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".getrepo."))
+        .collect();
+    assert!(left.is_empty(), "spill files left: {left:?}");
+}
+
+async fn the_postgres_records_table_equals_the_reference(extra: &[(&str, &str)]) -> std::path::PathBuf {
     let dir = tmpdir("resync-pg");
     let pg = testkit::PgServer::start();
     let url = pg.url();
     let sink = Sink::Postgres(pg);
-    let _ = run(&sink, &dir).await;
+    let (_, _, log) = run_with(&sink, &dir, extra).await;
+    if !extra.is_empty() {
+        assert!(log.contains("repo resynchronised from its PDS"), "{log}");
+    }
     let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("pg");
     tokio::spawn(conn);
     let rows =
@@ -229,6 +282,7 @@ async fn the_postgres_records_table_equals_the_reference_after_a_chain_break() {
         .expect("count")
         .get(0);
     assert!(resyncs >= 2, "{resyncs}");
+    dir
 }
 
 /// The leader lost (killed, or frozen past its ttl) while the large repo's download is in

@@ -150,6 +150,15 @@ impl<'a> Car<'a> {
     }
 }
 
+/// The roots a `CARv1` header (the DAG-CBOR map after the length varint) names; for
+/// readers that take a CAR a block at a time (a repo spilled to disk).
+///
+/// # Errors
+/// A header that is not a version 1 CAR header with roots.
+pub fn header_roots(bytes: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
+    parse_header(bytes)
+}
+
 fn parse_header(bytes: &[u8]) -> Result<Vec<Cid<'_>>, DecodeError> {
     let cb = |source| DecodeError::Cbor { part: "car header", source };
     let mut rd = Reader::new(bytes);

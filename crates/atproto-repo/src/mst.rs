@@ -266,6 +266,12 @@ pub(crate) struct Node<'a> {
 
 /// Decodes one node block (`{e: [{k, p, t, v}], l}`), rebuilding each full key.
 pub(crate) fn decode(block: &[u8]) -> Result<Node<'_>, MstError> {
+    decode_with(block, true)
+}
+
+/// [`decode`], computing each key's height only with `heights` (a tree already verified
+/// is walked again without them: a SHA-256 per key).
+pub(crate) fn decode_with(block: &[u8], heights: bool) -> Result<Node<'_>, MstError> {
     let bad = |e: atproto_data::CborError| invalid(format!("tree node: {e}"));
     let mut rd = Reader::new(block);
     let fields = rd.map().map_err(bad)?;
@@ -280,7 +286,7 @@ pub(crate) fn decode(block: &[u8]) -> Result<Node<'_>, MstError> {
                 let count = rd.array().map_err(bad)?;
                 let mut prev: Vec<u8> = Vec::new();
                 for _ in 0..count {
-                    let e = entry(&mut rd, &prev)?;
+                    let e = entry(&mut rd, &prev, heights)?;
                     prev.clone_from(&e.key);
                     entries.push(e);
                 }
@@ -303,7 +309,7 @@ pub(crate) fn decode(block: &[u8]) -> Result<Node<'_>, MstError> {
 type NodeEntry<'a> = (&'a [u8], &'a [u8], Option<Vec<u8>>);
 
 /// Decodes one entry (`{k, p, t, v}`), its key rebuilt from the previous key `prev`.
-fn entry<'a>(rd: &mut Reader<'a>, prev: &[u8]) -> Result<Entry<'a>, MstError> {
+fn entry<'a>(rd: &mut Reader<'a>, prev: &[u8], heights: bool) -> Result<Entry<'a>, MstError> {
     let bad = |e: atproto_data::CborError| invalid(format!("tree entry: {e}"));
     let fields = rd.map().map_err(bad)?;
     let (mut suffix, mut prefix, mut right, mut value) = (None, None, None, None);
@@ -332,7 +338,7 @@ fn entry<'a>(rd: &mut Reader<'a>, prev: &[u8]) -> Result<Entry<'a>, MstError> {
     if !prev.is_empty() && (key.as_slice() <= prev || common_prefix_len(prev, &key) != prefix) {
         return Err(invalid("tree keys out of order or not compressed canonically"));
     }
-    let height = key_height(&key);
+    let height = if heights { key_height(&key) } else { 0 };
     Ok(Entry { key, value, right, height })
 }
 

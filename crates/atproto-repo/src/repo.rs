@@ -167,6 +167,45 @@ pub fn walk_tree<B: Blocks + ?Sized>(
     Ok(w.count)
 }
 
+/// Walks a tree that [`walk_tree`] verified already (the same blocks), in key order,
+/// handing `leaf` each key and record CID: what the records are rendered from. Nothing is
+/// checked again but that each node is there and decodes (its keys' heights, a SHA-256
+/// each, are not computed).
+///
+/// # Errors
+/// A node missing or not decoding, or what `leaf` returns.
+pub fn walk_verified<B: Blocks + ?Sized>(
+    blocks: &B,
+    root: &[u8],
+    mut leaf: impl FnMut(&str, &[u8]) -> Result<(), RepoError>,
+) -> Result<(), RepoError> {
+    fn go<B: Blocks + ?Sized>(
+        blocks: &B,
+        cid: &[u8],
+        depth: u32,
+        leaf: &mut dyn FnMut(&str, &[u8]) -> Result<(), RepoError>,
+    ) -> Result<(), RepoError> {
+        if depth > MAX_DEPTH {
+            return Err(tree("tree deeper than 64 layers"));
+        }
+        let block = blocks.block(cid).map_err(RepoError::Read)?.ok_or(RepoError::Incomplete)?;
+        let node = crate::mst::decode_with(&block, false).map_err(RepoError::Tree)?;
+        if let Some(l) = node.left {
+            go(blocks, l, depth + 1, leaf)?;
+        }
+        for e in &node.entries {
+            let key =
+                std::str::from_utf8(&e.key).map_err(|_| RepoError::Key(String::from_utf8_lossy(&e.key).into()))?;
+            leaf(key, e.value)?;
+            if let Some(r) = e.right {
+                go(blocks, r, depth + 1, leaf)?;
+            }
+        }
+        Ok(())
+    }
+    go(blocks, root, 0, &mut leaf)
+}
+
 /// A walk in progress: the last key seen and how many.
 struct Walk<'b, B: ?Sized, F> {
     blocks: &'b B,

@@ -52,11 +52,14 @@ impl Handler for Counts {
     }
 
     /// A repo fetched whole after its chain broke (fold semantics: it replaces what was
-    /// known of the repo): counted as one `#resync` and its `#record`s.
+    /// known of the repo), a part at a time: counted as one `#resync` (the first part)
+    /// and its `#record`s.
     async fn snapshot(&self, s: &Snapshot, _ctx: &BatchCtx) -> Result<(), HandlerError> {
         let mut kinds = self.kinds.lock().map_err(|_| HandlerError::failed("counting", "a lock was poisoned"))?;
-        *kinds.entry("#resync").or_default() += 1;
-        *kinds.entry("#record").or_default() += s.repo().records.len() as u64;
+        if s.is_first() {
+            *kinds.entry("#resync").or_default() += 1;
+        }
+        *kinds.entry("#record").or_default() += s.records().len() as u64;
         Ok(())
     }
 }

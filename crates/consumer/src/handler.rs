@@ -162,21 +162,45 @@ impl Event {
 /// downstream forgets what it holds of the repo on the `#resync` event, then applies each
 /// `#record` as a create (deletes are implied). It reaches the handler in the repo's lane,
 /// after every event of the repo handed over before it and before every one after it.
+///
+/// A snapshot reaches [`Handler::snapshot`] a part at a time (at most
+/// [`repo_sync::snapshot::PART_RECORDS`] records each), in order, so that a repo of
+/// millions of records is never held whole: the first part opens with the `#resync`
+/// event ([`Snapshot::is_first`]), the last says so ([`Snapshot::is_last`]). The repo
+/// counts as synchronised only once every part was taken; a failure part-way fetches the
+/// repo again later, and the new snapshot starts over from its `#resync`.
 #[derive(Debug)]
 pub struct Snapshot {
-    repo: repo_sync::snapshot::RepoSnapshot,
-    reason: String,
+    repo: Arc<repo_sync::snapshot::RepoSnapshot>,
+    reason: Arc<str>,
+    records: Vec<repo_sync::snapshot::RepoRecord>,
+    /// The index (among the snapshot's records) of this part's first record.
+    first: u64,
+    last: bool,
 }
 
 impl Snapshot {
-    /// A snapshot of `repo`, fetched because of `reason` (`chain`, `signature`, …); the
-    /// collection filter keeps only the records it wants.
+    /// Part of the snapshot of `repo`, fetched because of `reason` (`chain`, `signature`,
+    /// …): `records` starting at record `first` of the repo; `last` for the final part.
     #[must_use]
-    pub fn new(mut repo: repo_sync::snapshot::RepoSnapshot, reason: &str, filter: Option<&CollectionFilter>) -> Self {
-        if let Some(f) = filter {
-            repo.records.retain(|r| f.wants(&r.collection));
-        }
-        Self { repo, reason: reason.to_owned() }
+    pub fn part(
+        repo: Arc<repo_sync::snapshot::RepoSnapshot>,
+        reason: Arc<str>,
+        records: Vec<repo_sync::snapshot::RepoRecord>,
+        first: u64,
+        last: bool,
+    ) -> Self {
+        Self { repo, reason, records, first, last }
+    }
+
+    /// The whole snapshot of `repo` as one part (tests and handlers' own tools).
+    #[must_use]
+    pub fn whole(
+        repo: repo_sync::snapshot::RepoSnapshot,
+        reason: &str,
+        records: Vec<repo_sync::snapshot::RepoRecord>,
+    ) -> Self {
+        Self::part(Arc::new(repo), reason.into(), records, 0, true)
     }
 
     /// The repo's DID.
@@ -197,10 +221,37 @@ impl Snapshot {
         &self.reason
     }
 
-    /// The verified repo: commit, tree root, records (the collection filter applied).
+    /// The verified repo: commit, tree root, how many records the snapshot holds in all
+    /// (the collection filter applied).
     #[must_use]
     pub fn repo(&self) -> &repo_sync::snapshot::RepoSnapshot {
         &self.repo
+    }
+
+    /// This part's records, in key order.
+    #[must_use]
+    pub fn records(&self) -> &[repo_sync::snapshot::RepoRecord] {
+        &self.records
+    }
+
+    /// True for the first part, which opens with the `#resync` event.
+    #[must_use]
+    pub fn is_first(&self) -> bool {
+        self.first == 0
+    }
+
+    /// True for the last part.
+    #[must_use]
+    pub fn is_last(&self) -> bool {
+        self.last
+    }
+
+    /// Where this part's first event stands among the snapshot's events (0 is the
+    /// `#resync`; record `i` is event `i + 1`): for ids that stay the same when a part is
+    /// written again.
+    #[must_use]
+    pub fn first_event(&self) -> u64 {
+        if self.first == 0 { 0 } else { self.first + 1 }
     }
 
     /// Appends the `#resync` event:
@@ -218,14 +269,14 @@ impl Snapshot {
         atproto_data::json::write_str(&r.data, out);
         out.push_str(",\"reason\":");
         atproto_data::json::write_str(&self.reason, out);
-        let _ = write!(out, ",\"records\":{}}}", r.records.len());
+        let _ = write!(out, ",\"records\":{}}}", r.records);
     }
 
-    /// Appends the `#record` event of the `i`th record:
+    /// Appends the `#record` event of this part's `i`th record:
     /// `{"type":"#record","repo","rev","collection","rkey","cid","record"}`.
     pub fn write_record_json(&self, i: usize, out: &mut String) {
         let r = &self.repo;
-        let rec = &r.records[i];
+        let rec = &self.records[i];
         out.push_str("{\"type\":\"#record\",\"repo\":");
         atproto_data::json::write_str(&r.did, out);
         out.push_str(",\"rev\":");
@@ -241,15 +292,47 @@ impl Snapshot {
         out.push('}');
     }
 
-    /// How many events the snapshot is: the `#resync` and one per record.
+    /// How many events this part is: the `#resync` (first part only) and one per record.
     #[must_use]
     pub fn events(&self) -> usize {
-        1 + self.repo.records.len()
+        usize::from(self.is_first()) + self.records.len()
     }
 
-    /// Appends event `i` of [`Snapshot::events`] (0 is the `#resync`).
+    /// Appends this part's event `i` of [`Snapshot::events`] (in the first part, 0 is the
+    /// `#resync`).
     pub fn write_event_json(&self, i: usize, out: &mut String) {
-        if i == 0 { self.write_resync_json(out) } else { self.write_record_json(i - 1, out) }
+        match (self.is_first(), i) {
+            (true, 0) => self.write_resync_json(out),
+            (true, i) => self.write_record_json(i - 1, out),
+            (false, i) => self.write_record_json(i, out),
+        }
+    }
+
+    /// The kind of this part's event `i` (`#resync` or `#record`).
+    #[must_use]
+    pub fn event_kind(&self, i: usize) -> &'static str {
+        if self.is_first() && i == 0 { "#resync" } else { "#record" }
+    }
+}
+
+/// A verified snapshot as the lane takes it: the repo's commit, and its records to come a
+/// part at a time.
+#[derive(Debug)]
+pub(crate) struct SnapshotParts {
+    pub(crate) repo: Arc<repo_sync::snapshot::RepoSnapshot>,
+    pub(crate) reason: Arc<str>,
+    pub(crate) parts: repo_sync::snapshot::Parts,
+}
+
+impl SnapshotParts {
+    /// The repo's DID.
+    pub(crate) fn did(&self) -> &str {
+        &self.repo.did
+    }
+
+    /// The commit's rev.
+    pub(crate) fn rev(&self) -> &str {
+        &self.repo.rev
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::chain::ChainBreaks;
 use crate::continuity::{Key, Memory, Times};
-use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, Snapshot, render};
+use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, Snapshot, SnapshotParts, render};
 use crate::metrics as m;
 use crate::status::StatusHandle;
 use crate::verify::{Desync, Invalid, InvalidPolicy, Verdict, Verifier};
@@ -41,7 +41,7 @@ pub(crate) type SnapshotDone = tokio::sync::oneshot::Sender<Result<(), String>>;
 /// A snapshot handed to a lane: written once the lane has taken `after` events.
 pub(crate) struct Staged {
     after: u64,
-    snapshot: Arc<Snapshot>,
+    snapshot: SnapshotParts,
     done: SnapshotDone,
 }
 
@@ -312,7 +312,7 @@ impl Pipeline {
 
     /// Hands lane `lane` a snapshot to write after every event sent to it so far (the
     /// caller sent the lane's staged events first); `false` when the lane is gone.
-    pub(crate) fn push_snapshot(&mut self, lane: usize, snapshot: Arc<Snapshot>, done: SnapshotDone) -> bool {
+    pub(crate) fn push_snapshot(&mut self, lane: usize, snapshot: SnapshotParts, done: SnapshotDone) -> bool {
         debug_assert!(self.staged[lane].is_empty(), "staged events go before the snapshot");
         let s = Staged { after: self.sent[lane], snapshot, done };
         self.snapshots[lane].send(s).is_ok()
@@ -483,38 +483,63 @@ impl Lane {
         self.drain(&mut w.inflight, &done).await;
     }
 
-    /// Writes a snapshot whose turn came, retrying a failed write while the term lasts,
-    /// and tells whoever staged it how it went; `false` when the lane must stop.
+    /// Writes a snapshot whose turn came, a part at a time, retrying a failed write while
+    /// the term lasts, and tells whoever staged it how it went; `false` when the lane
+    /// must stop.
     async fn snapshot(&self, s: Staged, done: &mpsc::UnboundedSender<Done>) -> bool {
-        let mut backoff = Backoff::new(RETRY);
+        let Staged { snapshot: mut sp, done: answer, .. } = s;
+        let mut at = 0u64;
+        let mut next = sp.parts.next().await;
+        let mut started = false;
         let r = loop {
-            if let Err(e) = self.ctx.ensure_active() {
+            let records = match next {
+                Some(Ok(records)) => records,
+                Some(Err(why)) => break Err(HandlerError::refused("repo sync", why)),
+                // A repo with no records (or none the filter keeps): the `#resync` alone.
+                None if !started => Vec::new(),
+                None => break Ok(()),
+            };
+            started = true;
+            // One part ahead, to know whether this one is the last (the next renders
+            // meanwhile).
+            let after = if records.is_empty() && at == 0 { None } else { sp.parts.next().await };
+            let part = Snapshot::part(sp.repo.clone(), sp.reason.clone(), records, at, after.is_none());
+            if let Err(e) = self.write_part(&part).await {
                 break Err(e);
             }
-            match self.handler.snapshot(&s.snapshot, &self.ctx).await {
-                Err(e @ HandlerError::Failed { .. }) => {
-                    if let Err(e) = self.back_off(e, &mut backoff, s.snapshot.events()).await {
-                        break Err(e);
-                    }
-                }
-                r => break r,
+            at += part.records().len() as u64;
+            if after.is_none() {
+                break Ok(());
             }
+            next = after;
         };
         match r {
             Ok(()) => {
                 self.status.sink_ok();
-                let _ = s.done.send(Ok(()));
+                let _ = answer.send(Ok(()));
                 true
             }
             Err(e @ HandlerError::Refused { .. }) => {
-                tracing::error!(error = %e, repo = s.snapshot.did(), "the downstream refuses the repo's snapshot; it will be fetched again later");
-                let _ = s.done.send(Err(e.to_string()));
+                tracing::error!(error = %e, repo = sp.did(), "the repo's snapshot was not delivered whole; it will be fetched again later");
+                let _ = answer.send(Err(e.to_string()));
                 true
             }
             Err(e) => {
-                let _ = s.done.send(Err(e.to_string()));
+                let _ = answer.send(Err(e.to_string()));
                 let _ = done.send(Err(LaneStop::Handler(e)));
                 false
+            }
+        }
+    }
+
+    /// Writes one part of a snapshot, retrying a failed write while the term lasts.
+    async fn write_part(&self, part: &Snapshot) -> Result<(), HandlerError> {
+        let mut backoff = Backoff::new(RETRY);
+        loop {
+            self.ctx.ensure_active()?;
+            match self.handler.snapshot(part, &self.ctx).await {
+                Err(e @ HandlerError::Failed { .. }) => self.back_off(e, &mut backoff, part.events()).await?,
+                r => return r,
             }
         }
     }

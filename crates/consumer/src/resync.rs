@@ -31,7 +31,7 @@ use repo_sync::fetch::{FetchError, Limits};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use crate::handler::{BatchCtx, CollectionFilter, Snapshot};
+use crate::handler::{BatchCtx, CollectionFilter, SnapshotParts};
 use crate::metrics as m;
 use crate::pipeline::SnapshotDone;
 use crate::verify::{Desync, Outcome, keep, now_ms};
@@ -102,7 +102,7 @@ pub(crate) const STALE: &str = "stale: a newer commit of the repo was handed ove
 
 /// A verified snapshot for the term to stage in its repo's lane.
 pub(crate) struct Ready {
-    pub(crate) snapshot: Arc<Snapshot>,
+    pub(crate) snapshot: SnapshotParts,
     pub(crate) done: SnapshotDone,
 }
 
@@ -111,7 +111,8 @@ pub(crate) struct Resyncer {
     resolver: Resolver,
     client: guarded_http::Client,
     opts: ResyncOptions,
-    filter: Option<CollectionFilter>,
+    /// The collections a snapshot carries (the collection filter).
+    wants: repo_sync::snapshot::Wants,
     /// No listing page is asked for before this (after a failed one).
     listing_after: std::sync::Mutex<Option<std::time::Instant>>,
     /// PDSs parked by their rate limits (kept across terms: the limit is the host's).
@@ -140,7 +141,7 @@ impl Resyncer {
             resolver,
             client,
             opts,
-            filter,
+            wants: filter.map(|f| -> Arc<dyn Fn(&str) -> bool + Send + Sync> { Arc::new(move |c| f.wants(c)) }),
             listing_after: std::sync::Mutex::new(None),
             hosts: repo_sync::hosts::Hosts::default(),
         })
@@ -294,14 +295,14 @@ impl Job {
             &did,
             &r.opts.limits,
             now_us,
+            r.wants.clone(),
         )
         .await
         {
-            Ok(repo) => {
-                let (rev, bytes) = (repo.rev.clone(), repo.bytes);
+            Ok((repo, parts)) => {
+                let (rev, bytes, records) = (repo.rev.clone(), repo.bytes, repo.records);
                 let rev_tid = crate::chain::tid(&rev);
-                let snapshot = Arc::new(Snapshot::new(repo, reason, r.filter.as_ref()));
-                let records = snapshot.repo().records.len();
+                let snapshot = SnapshotParts { repo: Arc::new(repo), reason: reason.into(), parts };
                 let (done, answer) = oneshot::channel();
                 if ready.send(Ready { snapshot, done }).await.is_err() {
                     // The term is over: the next one queues the repo again.
@@ -311,7 +312,7 @@ impl Job {
                     Ok(Ok(())) => {
                         tracing::info!(repo = %did, rev, records, bytes, reason, ms = started.elapsed().as_millis() as u64, "repo resynchronised from its PDS");
                         metrics::counter!(m::RESYNCS, "outcome" => "done", "reason" => reason).increment(1);
-                        metrics::counter!(m::RESYNC_RECORDS).increment(records as u64);
+                        metrics::counter!(m::RESYNC_RECORDS).increment(records);
                         metrics::counter!(m::RESYNC_BYTES).increment(bytes);
                         Outcome::Done(rev_tid)
                     }

@@ -42,17 +42,21 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(20_000));
     g.bench_function("large repo: fetch + verify + render, records", |b| {
         b.iter(|| {
-            let s = rt
-                .block_on(fetch_snapshot(
+            let records = rt.block_on(async {
+                let (_, parts) = fetch_snapshot(
                     &resolver,
                     &client,
                     repo_sync::check::Route { hosts: &repo_sync::hosts::Hosts::default(), via: None },
                     LARGE,
                     &limits,
                     now_us,
-                ))
+                    None,
+                )
+                .await
                 .expect("snapshot");
-            assert_eq!(s.records.len(), 20_000);
+                parts.collect().await.expect("parts")
+            });
+            assert_eq!(records.len(), 20_000);
         });
     });
     let car = testkit::pds::car(LARGE);
@@ -81,9 +85,14 @@ fn bench(c: &mut Criterion) {
                                 d,
                                 &limits,
                                 now_us,
+                                None,
                             )
                             .await
-                            .expect("snapshot");
+                            .expect("snapshot")
+                            .1
+                            .collect()
+                            .await
+                            .expect("parts");
                         }
                     });
                 }

@@ -6,9 +6,15 @@
 
 use std::collections::BTreeMap;
 
-use atproto_identity::resolver::{ResolveError, Resolver};
-use atproto_repo::repo::{RepoError, Snapshot, verify_repo_bytes};
+use std::sync::Arc;
 
+use atproto_crypto::PublicKey;
+use atproto_data::cid::Cid;
+use atproto_identity::resolver::{ResolveError, Resolver};
+use atproto_repo::repo::{Blocks as _, RepoError, check_rev, walk_tree};
+use atproto_repo::{CommitError, check_commit_block};
+
+use crate::blocks::Indexed;
 use crate::fetch::{FetchError, Limits, fetch, get_repo_url};
 
 /// What a verified repo holds, in brief.
@@ -69,22 +75,15 @@ pub async fn check_repo(
     now_us: i64,
 ) -> Result<Checked, CheckError> {
     let hosts = crate::hosts::Hosts::default();
-    verified(resolver, client, Route { hosts: &hosts, via: None }, did, limits, now_us, |pds, snap, bytes| {
-        let mut collections = BTreeMap::new();
-        for r in &snap.records {
-            let collection = r.key.split_once('/').map_or(r.key.as_str(), |(c, _)| c);
-            *collections.entry(collection.to_owned()).or_insert(0) += 1;
-        }
-        Checked {
-            pds,
-            rev: snap.commit.rev.to_owned(),
-            commit: snap.commit.cid.to_string_b32(),
-            data: snap.commit.data.to_string_b32(),
-            collections,
-            bytes,
-        }
+    let (pds, head, ix) = verified(resolver, client, Route { hosts: &hosts, via: None }, did, limits, now_us).await?;
+    Ok(Checked {
+        pds,
+        rev: head.rev,
+        commit: head.commit,
+        data: head.data,
+        collections: head.collections,
+        bytes: ix.len(),
     })
-    .await
 }
 
 /// Which way a repo is fetched: the hosts parked by their rate limits, and the host asked
@@ -97,23 +96,75 @@ pub struct Route<'a> {
     pub via: Option<&'a str>,
 }
 
-/// Resolves, fetches (from the route's `via` when given, else the PDS) and verifies `did`'s repo,
-/// then hands `f` the PDS, the verified
-/// snapshot (borrowing the body) and the body's size. Verifying (and what `f` does) runs
-/// on a blocking thread: a large repo takes longer than a runtime worker may be held.
-pub(crate) async fn verified<T, F>(
+/// What verifying a whole repo found: its signed commit, and how many records each
+/// collection holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// The commit's rev.
+    pub rev: String,
+    /// The commit's CID.
+    pub commit: String,
+    /// The tree's root CID.
+    pub data: String,
+    /// The tree's root CID, binary (what a commit's `prevData` names).
+    pub data_cid: Vec<u8>,
+    /// Records per collection.
+    pub collections: BTreeMap<String, u64>,
+}
+
+/// Verifies the indexed CAR `ix` as the whole repo of `did` signed with `key` (see
+/// [`atproto_repo::repo`]): one walk of the tree, which also finds every record.
+///
+/// # Errors
+/// The first check the repo fails.
+pub fn verify_indexed(ix: &Indexed, did: &str, key: &PublicKey, now_us: i64) -> Result<Head, RepoError> {
+    let [root] = ix.roots() else { return Err(RepoError::Commit(CommitError::Root)) };
+    let root_cid = Cid::from_bytes(root).map_err(|_| RepoError::Commit(CommitError::Root))?;
+    let block = ix.block(root).map_err(RepoError::Read)?.ok_or(RepoError::Commit(CommitError::MissingCommit))?;
+    let c = check_commit_block(root_cid, &block, did, key).map_err(RepoError::Commit)?;
+    check_rev(c.rev, now_us)?;
+    let mut collections: BTreeMap<String, u64> = BTreeMap::new();
+    walk_tree(ix, c.data.as_bytes(), |k, v| {
+        if Cid::from_bytes(v).is_err() {
+            return Err(RepoError::Key(k.to_owned()));
+        }
+        if ix.block(v).map_err(RepoError::Read)?.is_none() {
+            return Err(RepoError::MissingRecord(k.to_owned()));
+        }
+        let collection = k.split_once('/').map_or(k, |(c, _)| c);
+        // Keys come in order: a collection's records are together.
+        match collections.last_key_value() {
+            Some((last, _)) if last == collection => {}
+            _ => {
+                collections.insert(collection.to_owned(), 0);
+            }
+        }
+        if let Some(n) = collections.get_mut(collection) {
+            *n += 1;
+        }
+        Ok(())
+    })?;
+    Ok(Head {
+        rev: c.rev.to_owned(),
+        commit: c.cid.to_string_b32(),
+        data: c.data.to_string_b32(),
+        data_cid: c.data.as_bytes().to_vec(),
+        collections,
+    })
+}
+
+/// Resolves, fetches (from the route's `via` when given, else the PDS) and verifies
+/// `did`'s repo: the PDS, what the verification found, and the indexed body (for the
+/// records). Indexing and verifying run on a blocking thread: a large repo takes longer
+/// than a runtime worker may be held.
+pub(crate) async fn verified(
     resolver: &Resolver,
     client: &guarded_http::Client,
     route: Route<'_>,
     did: &str,
     limits: &Limits,
     now_us: i64,
-    f: F,
-) -> Result<T, CheckError>
-where
-    F: FnOnce(String, &Snapshot<'_>, u64) -> T + Send + 'static,
-    T: Send + 'static,
-{
+) -> Result<(String, Head, Arc<Indexed>), CheckError> {
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
     // Through a relay (which redirects to the PDS, each hop guarded) or the PDS itself;
@@ -135,29 +186,23 @@ where
     if fetched.rate.remaining == Some(0) {
         hosts.park(&host, fetched.rate.wait.unwrap_or(crate::hosts::DEFAULT_PARK));
     }
-    let len = fetched.body.len();
-    let body = std::sync::Arc::new(fetched.body);
-    let attempt = |key: atproto_crypto::PublicKey, f: F| {
-        let (body, did, pds) = (body.clone(), did.to_owned(), pds.clone());
-        tokio::task::spawn_blocking(move || -> Result<T, (CheckError, Option<F>)> {
-            let bytes = body.bytes().map_err(|e| (CheckError::Read(e), None))?;
-            match verify_repo_bytes(&bytes, &did, &key, now_us) {
-                Ok(snap) => Ok(f(pds, &snap, len)),
-                // The account may have rotated its key: `f` comes back for a second try.
-                Err(e @ RepoError::Commit(atproto_repo::CommitError::Signature(_))) => {
-                    Err((CheckError::Verify(e), Some(f)))
-                }
-                Err(e) => Err((CheckError::Verify(e), None)),
-            }
-        })
-    };
     let joined = |e: tokio::task::JoinError| CheckError::Read(std::io::Error::other(e));
-    match attempt(id.signing_key.clone(), f).await.map_err(joined)? {
-        Ok(t) => Ok(t),
-        Err((_, Some(f))) => {
+    let body = fetched.body;
+    let ix =
+        tokio::task::spawn_blocking(move || Indexed::open(body)).await.map_err(joined)?.map_err(CheckError::Verify)?;
+    let ix = Arc::new(ix);
+    let attempt = |key: PublicKey| {
+        let (ix, did) = (ix.clone(), did.to_owned());
+        tokio::task::spawn_blocking(move || verify_indexed(&ix, &did, &key, now_us))
+    };
+    let head = match attempt(id.signing_key.clone()).await.map_err(joined)? {
+        Ok(h) => h,
+        // The account may have rotated its key: once more with a freshly resolved one.
+        Err(RepoError::Commit(CommitError::Signature(_))) => {
             let fresh = resolver.refresh(did).await.map_err(CheckError::Resolve)?;
-            attempt(fresh.signing_key.clone(), f).await.map_err(joined)?.map_err(|(e, _)| e)
+            attempt(fresh.signing_key.clone()).await.map_err(joined)?.map_err(CheckError::Verify)?
         }
-        Err((e, None)) => Err(e),
-    }
+        Err(e) => return Err(CheckError::Verify(e)),
+    };
+    Ok((pds, head, ix))
 }

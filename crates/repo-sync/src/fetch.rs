@@ -15,7 +15,8 @@ pub struct Limits {
     pub attempt: Duration,
     /// The largest body accepted (2 GiB).
     pub max_bytes: u64,
-    /// Bodies up to this stay in memory; larger ones go to a file in `spill_dir` (64 MiB).
+    /// Bodies up to this stay in memory; larger ones go to a file in `spill_dir` (16 MiB;
+    /// a body announced larger goes there from its first byte).
     pub memory_bytes: usize,
     /// The transfer is cut when fewer than `slow_bytes` arrive in any `slow_window`
     /// (about 1 KB/s over 30 s).
@@ -31,7 +32,7 @@ impl Default for Limits {
         Self {
             attempt: Duration::from_mins(5),
             max_bytes: 2 << 30,
-            memory_bytes: 64 << 20,
+            memory_bytes: 16 << 20,
             slow_window: Duration::from_secs(30),
             slow_bytes: 30 * 1024,
             spill_dir: std::env::temp_dir(),
@@ -246,10 +247,21 @@ fn spill_path(dir: &Path) -> PathBuf {
     dir.join(format!(".getrepo.{}.{}.car", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
 }
 
+/// A new spill file, and the body that owns it (dropped on any error, it removes it).
+fn spill_file(limits: &Limits) -> Result<(std::fs::File, Body), FetchError> {
+    let path = spill_path(&limits.spill_dir);
+    let guard = Body::File { path: path.clone(), len: 0 };
+    let f = std::fs::File::create(&path).map_err(FetchError::Spill)?;
+    Ok((f, guard))
+}
+
 /// Reads the body within the size cap and the speed floor, spilling past the memory bound.
 async fn read_body(mut resp: reqwest::Response, limits: &Limits) -> Result<Body, FetchError> {
     let mut mem: Vec<u8> = Vec::new();
     let mut file: Option<(std::fs::File, Body)> = None;
+    if resp.content_length().is_some_and(|n| n > limits.memory_bytes as u64) {
+        file = Some(spill_file(limits)?);
+    }
     let mut total: u64 = 0;
     let (mut window_start, mut window_bytes) = (Instant::now(), 0u64);
     loop {
@@ -280,10 +292,7 @@ async fn read_body(mut resp: reqwest::Response, limits: &Limits) -> Result<Body,
         match &mut file {
             Some((f, _)) => f.write_all(&chunk).map_err(FetchError::Spill)?,
             None if mem.len() + chunk.len() > limits.memory_bytes => {
-                let path = spill_path(&limits.spill_dir);
-                // The Body owns the path from here: dropped on any error, it removes it.
-                let guard = Body::File { path: path.clone(), len: 0 };
-                let mut f = std::fs::File::create(&path).map_err(FetchError::Spill)?;
+                let (mut f, guard) = spill_file(limits)?;
                 f.write_all(&mem).and_then(|()| f.write_all(&chunk)).map_err(FetchError::Spill)?;
                 mem = Vec::new();
                 file = Some((f, guard));

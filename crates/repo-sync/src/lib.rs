@@ -10,6 +10,7 @@
 //! steps together for one repo: its DID resolved to its PDS and key, the repo fetched
 //! from there and verified whole.
 
+pub mod blocks;
 pub mod check;
 pub mod fetch;
 pub mod hosts;

@@ -367,7 +367,7 @@ impl Handler for JetStream {
             ctx.ensure_active()?;
             let mut body = String::new();
             s.write_event_json(i, &mut body);
-            let id = format!("{}:resync:{}:{}:{i}", ctx.fingerprint, s.did(), s.rev());
+            let id = format!("{}:resync:{}:{}:{}", ctx.fingerprint, s.did(), s.rev(), s.first_event() + i as u64);
             let mut h = HeaderMap::new();
             h.insert(header::NATS_MESSAGE_ID, id.as_str());
             h.insert("Firekeeper-Relay", ctx.relay.as_str());

@@ -234,7 +234,8 @@ impl Handler for Jsonl {
         true
     }
 
-    /// The snapshot's lines in one write: a downstream never reads half a snapshot.
+    /// A part of a snapshot in one write (a part is whole lines, at most
+    /// `PART_RECORDS` records).
     async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
         self.write(snapshot_lines(s, 0..s.events(), ctx), ctx).await
     }
@@ -292,9 +293,10 @@ impl Handler for Webhook {
         true
     }
 
-    /// The snapshot in POSTs of at most the batch size, `#resync` first; a failure
-    /// part-way is retried from the `#resync` (which makes the receiver start the repo
-    /// over).
+    /// A part of a snapshot in POSTs of at most the batch size (`#resync` first in the
+    /// first part); a failed POST is retried from the part's start, and a snapshot given
+    /// up part-way is fetched again later and starts over from its `#resync` (which makes
+    /// the receiver start the repo over).
     async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
         let n = s.events();
         let mut at = 0;
@@ -427,8 +429,8 @@ impl Handler for Postgres {
         true
     }
 
-    /// The snapshot's events (seq NULL) and, with the records mirror, the repo's rows
-    /// replaced: one transaction, fenced by the term.
+    /// A part of a snapshot (seq NULL) and, with the records mirror, its rows: one
+    /// transaction, fenced by the term (see `pg_snapshot`).
     async fn snapshot(&self, s: &Snapshot, ctx: &BatchCtx) -> Result<(), HandlerError> {
         let mut c = self.conn.client().await.map_err(|e| HandlerError::failed("postgres connection", e))?;
         pg_snapshot(&mut c, s, ctx, self.records).await
@@ -677,8 +679,10 @@ async fn upsert_records(
     .await
 }
 
-/// A snapshot in one fenced transaction: its events (seq NULL) and, with the mirror, the
-/// repo's rows replaced.
+/// A part of a snapshot in one fenced transaction: its events (seq NULL) and, with the
+/// mirror, its records upserted (the first part deletes the repo's rows first). A repo of
+/// more than one part is replaced over several transactions: until its last part lands
+/// the mirror holds part of it, and the repo stays queued (a crash fetches it again).
 async fn pg_snapshot(
     c: &mut tokio_postgres::Client,
     s: &Snapshot,
@@ -706,9 +710,9 @@ async fn pg_snapshot(
         })
         .collect();
     let as_text = |b: &str| b.contains("\\u0000");
-    let kinds: Vec<&str> = (0..n).map(|i| if i == 0 { "#resync" } else { "#record" }).collect();
+    let kinds: Vec<&str> = (0..n).map(|i| s.event_kind(i)).collect();
     let dids: Vec<&str> = vec![s.did(); n];
-    let keys: Vec<String> = (0..n).map(|i| format!("resync:{}:{i}", s.rev())).collect();
+    let keys: Vec<String> = (0..n).map(|i| format!("resync:{}:{}", s.rev(), s.first_event() + i as u64)).collect();
     let json: Vec<Option<&str>> = bodies.iter().map(|b| (!as_text(b)).then_some(b.as_str())).collect();
     let text: Vec<Option<&str>> = bodies.iter().map(|b| as_text(b).then_some(b.as_str())).collect();
     let token = i64::try_from(ctx.token).unwrap_or(i64::MAX);
@@ -722,8 +726,10 @@ async fn pg_snapshot(
     .await
     .map_err(pg)?;
     if records {
-        tx.execute("DELETE FROM firekeeper_records WHERE did = $1", &[&s.did()]).await.map_err(pg)?;
-        let recs = &s.repo().records;
+        if s.is_first() {
+            tx.execute("DELETE FROM firekeeper_records WHERE did = $1", &[&s.did()]).await.map_err(pg)?;
+        }
+        let recs = s.records();
         let col = |f: fn(&consumer::resync::RepoRecord) -> &str| {
             recs.iter().map(|r| f(r).to_owned()).collect::<Vec<String>>()
         };

@@ -19,6 +19,7 @@ pub mod http;
 pub mod pds;
 pub mod plc;
 pub mod proc;
+pub mod repo;
 pub mod soak;
 pub mod tamper;
 

@@ -250,3 +250,48 @@ pub async fn redirecting(pds: &str) -> (String, Arc<std::sync::atomic::AtomicU32
     });
     (base, count)
 }
+
+/// A PDS answering `getRepo?did=D` with the file `files[D]`, streamed from disk (a repo
+/// larger than a test should hold), and 404 for any other DID; returns its base URL.
+///
+/// # Panics
+/// When it cannot listen.
+pub async fn start_files(files: HashMap<String, std::path::PathBuf>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let files = Arc::new(files);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let _ = s.set_nodelay(true);
+            let files = files.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt as _;
+                let mut pending = Vec::new();
+                while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
+                    let did = line.split("did=").nth(1).and_then(|d| d.split([' ', '&']).next()).unwrap_or("");
+                    let Some(path) = files.get(&did.replace("%3A", ":")) else {
+                        let _ = s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n").await;
+                        continue;
+                    };
+                    let Ok(mut f) = tokio::fs::File::open(path).await else { return };
+                    let len = f.metadata().await.map_or(0, |m| m.len());
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/vnd.ipld.car\r\ncontent-length: {len}\r\n\r\n"
+                    );
+                    if s.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    let mut buf = vec![0u8; 256 << 10];
+                    loop {
+                        match f.read(&mut buf).await {
+                            Ok(0) => break,
+                            Ok(n) if s.write_all(&buf[..n]).await.is_ok() => {}
+                            _ => return,
+                        }
+                    }
+                }
+            });
+        }
+    });
+    base
+}

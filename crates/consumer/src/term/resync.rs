@@ -3,7 +3,6 @@
 //! is known.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
@@ -61,16 +60,16 @@ impl Leader<'_, '_> {
         if self.p.has_staged_in(lane) {
             self.send(lane).await?;
         }
-        let snapshot: Arc<crate::handler::Snapshot> = r.snapshot;
-        if !self.p.push_snapshot(lane, snapshot.clone(), r.done) {
+        let repo = r.snapshot.repo.clone();
+        if !self.p.push_snapshot(lane, r.snapshot, r.done) {
             return self.lane_gone().await;
         }
         // The repo's chain continues from the snapshot.
         if let Some(m) = &self.memory {
-            m.record(lane, Key::Sync { did: &did, rev: snapshot.rev() });
+            m.record(lane, Key::Sync { did: &did, rev: &repo.rev });
         }
         if let (Some(v), Some(rev)) = (&self.cx.shape.verifier, rev) {
-            v.resynced(lane, &did, rev, &snapshot.repo().data_cid);
+            v.resynced(lane, &did, rev, &repo.data_cid);
         }
         if let Some(rev) = rev {
             if self.covered.len() >= COVERED_MAX {
