@@ -267,6 +267,18 @@ fn check_parts(r: &Raw, errors: &mut Vec<String>) {
     }
 }
 
+/// The host a listed backfill walks (`FIREKEEPER_BACKFILL_HOST`, else the primary relay).
+fn backfill_host(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) {
+    let host = match &r.backfill_host {
+        Some(h) => h.clone(),
+        None => r.relay.as_ref().map(|u| u.http_origin().to_string()).unwrap_or_default(),
+    };
+    match url::Url::parse(&host) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") => options.resync.backfill_list = Some(host),
+        _ => errors.push("FIREKEEPER_BACKFILL_HOST must be an http(s):// URL".into()),
+    }
+}
+
 /// Sink, cursor store and lease must fit together.
 /// Repo sync's backfill (`FIREKEEPER_BACKFILL`: the DIDs it lists or the host whose repos it
 /// walks) and where it asks `getRepo` (`FIREKEEPER_SYNC_SOURCE`).
@@ -279,20 +291,22 @@ fn repo_sync(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>)
             errors.push("FIREKEEPER_BACKFILL=dids needs FIREKEEPER_BACKFILL_DIDS (DIDs, or @<file> of them)".into());
         }
         BackfillMode::Dids => {}
-        BackfillMode::Collections => errors.push(
-            "FIREKEEPER_BACKFILL=collections is not built yet: list the DIDs (`dids`) or walk every repo (`all`)"
-                .into(),
-        ),
-        BackfillMode::All => {
-            let host = match &r.backfill_host {
-                Some(h) => h.clone(),
-                None => r.relay.as_ref().map(|u| u.http_origin().to_string()).unwrap_or_default(),
-            };
-            match url::Url::parse(&host) {
-                Ok(u) if matches!(u.scheme(), "http" | "https") => options.resync.backfill_list = Some(host),
-                _ => errors.push("FIREKEEPER_BACKFILL_HOST must be an http(s):// URL".into()),
+        BackfillMode::Collections => {
+            let entries = r.options.collections.as_ref().map_or(&[][..], CollectionFilter::entries);
+            if entries.is_empty() {
+                errors.push(
+                    "FIREKEEPER_BACKFILL=collections needs FIREKEEPER_COLLECTIONS (the NSIDs whose repos to backfill)"
+                        .into(),
+                );
+            } else if let Some(wild) = entries.iter().find(|e| e.ends_with('*')) {
+                errors.push(format!(
+                    "FIREKEEPER_BACKFILL=collections lists repos by exact collection (listReposByCollection), but FIREKEEPER_COLLECTIONS holds {wild:?}: name each collection, or backfill every repo (`all`)"
+                ));
             }
+            options.resync.backfill_collections = entries.to_vec();
+            backfill_host(r, options, errors);
         }
+        BackfillMode::All => backfill_host(r, options, errors),
     }
     options.resync.source = match r.sync_source.as_deref() {
         None | Some("pds") => None,

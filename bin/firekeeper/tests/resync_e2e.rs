@@ -450,6 +450,73 @@ async fn a_backfill_of_every_listed_repo_walks_the_pages_once() {
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
+/// `FIREKEEPER_BACKFILL=collections`: the repos the host lists by collection
+/// (`listReposByCollection`: two hold `app.bsky.graph.block`, eight small ones
+/// `app.bsky.feed.repost`, in pages of three; the large repo neither) are backfilled, each
+/// with only the records of those collections; the large repo is never fetched. The
+/// listing's end is kept: the next leader lists nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_by_collection_takes_the_repos_that_hold_them() {
+    const COLLECTIONS: [&str; 2] = ["app.bsky.graph.block", "app.bsky.feed.repost"];
+    let base = testkit::pds::start(every_repo()).await;
+    let dir = tmpdir("backfill-collections");
+    let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), &dir).await;
+    env.insert("FIREKEEPER_BACKFILL".into(), "collections".into());
+    env.insert("FIREKEEPER_COLLECTIONS".into(), COLLECTIONS.join(","));
+    env.insert("FIREKEEPER_BACKFILL_HOST".into(), base.clone());
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let per = testkit::pds::per_collection();
+    let holding: std::collections::BTreeSet<String> =
+        COLLECTIONS.iter().flat_map(|c| testkit::pds::holding(c)).collect();
+    assert_eq!(holding.len(), 8, "the fixture: the eight small repos");
+    let child = firekeeper(&env, &[], &dir.join("a.log"));
+    eventually("every repo of the collections backfilled", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        let done: std::collections::BTreeSet<String> = testkit::fold::jsonl(&text).into_keys().collect();
+        v["desynchronized"] == 0 && done == holding
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    let log = std::fs::read_to_string(dir.join("a.log")).expect("log");
+    assert_eq!(log.matches("backfill: a page of the host's repos queued").count(), 4, "1 + 3 pages: {log}");
+    let folded = testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output"));
+    assert!(!folded.contains_key(RLARGE), "the large repo holds neither collection");
+    for did in &holding {
+        let want: u64 = COLLECTIONS.iter().map(|c| per[did].get(*c).copied().unwrap_or(0)).sum();
+        let got = &folded[did];
+        assert_eq!(got.len() as u64, want, "{did}: the records of the two collections");
+        assert!(got.keys().all(|k| COLLECTIONS.iter().any(|c| k.starts_with(&format!("{c}/")))), "{did}: {got:?}");
+    }
+    // The next leader: the listing is done, nothing is queued again.
+    let child = firekeeper(&env, &[], &dir.join("b.log"));
+    eventually("the next leader", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["role"] == "leader")
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert!(sigterm_and_wait(child).success());
+    assert!(!metrics.contains("reason=\"backfill\"} "), "nothing backfilled again: {metrics}");
+}
+
+/// Backfill by collection refuses, at start, a filter it cannot list by.
+#[test]
+fn a_backfill_by_collection_needs_exact_collections() {
+    let dir = tmpdir("backfill-collections-config");
+    let mut env = base_env("wss://relay.example", &dir);
+    env.insert("FIREKEEPER_BACKFILL".into(), "collections".into());
+    let out = run_once(&env, &["check-config"]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && err.contains("needs FIREKEEPER_COLLECTIONS"), "{err}");
+    env.insert("FIREKEEPER_COLLECTIONS".into(), "app.bsky.feed.*".into());
+    let out = run_once(&env, &["check-config"]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && err.contains("\"app.bsky.feed.*\""), "{err}");
+}
+
 /// A PDS that rate-limits the whole host (every repo answered 429 for two seconds after
 /// the first request): the first 429 parks the host, and its other repos wait without
 /// being asked (one 429 in all, with one worker), then every repo lands.

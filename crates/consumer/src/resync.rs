@@ -74,6 +74,10 @@ pub struct ResyncOptions {
     /// PDS: `https://host`), a page at a time while the queue is short, after the listed
     /// DIDs; the listing's cursor is kept in the store.
     pub backfill_list: Option<String>,
+    /// With `backfill_list`: list only the repos holding records of these collections
+    /// (`com.atproto.sync.listReposByCollection`, exact NSIDs, one after another) instead
+    /// of every repo.
+    pub backfill_collections: Vec<String>,
     /// Where `getRepo` is asked: `None` the repo's PDS (from its DID document), else this
     /// host (a relay, which redirects to the PDS; redirects are followed, at most 3).
     pub source: Option<String>,
@@ -90,6 +94,7 @@ impl Default for ResyncOptions {
             limits: Limits::default(),
             backfill: Vec::new(),
             backfill_list: None,
+            backfill_collections: Vec::new(),
             source: None,
         }
     }
@@ -238,15 +243,16 @@ impl Resyncer {
     ) -> Result<(), crate::handler::HandlerError> {
         use crate::verify::Listing;
         let Some(host) = &self.opts.backfill_list else { return Ok(()) };
-        let after = match desync.listing() {
-            Listing::Done => return Ok(()),
-            Listing::Start => None,
-            Listing::After(c) => Some(c),
-        };
+        let Some(at) = ListingAt::of(&desync.listing(), &self.opts.backfill_collections) else { return Ok(()) };
         if self.listing_after.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t)) {
             return Ok(());
         }
-        let page = match repo_sync::list::list_repos(&self.client, host, after.as_deref()).await {
+        let cursor = at.cursor.as_deref();
+        let listed = match at.collection {
+            None => repo_sync::list::list_repos(&self.client, host, cursor).await,
+            Some(c) => repo_sync::list::list_repos_by_collection(&self.client, host, c, cursor).await,
+        };
+        let page = match listed {
             Ok(p) => p,
             Err(why) => {
                 tracing::warn!(error = %why, "backfill: listing the host's repos failed; asking again in 30 s");
@@ -263,15 +269,56 @@ impl Resyncer {
                 queued += 1;
             }
         }
-        let next = match page.cursor {
-            Some(c) if !page.empty => Listing::After(c),
-            _ => Listing::Done,
-        };
+        let next = at.next(page.cursor.filter(|_| !page.empty), &self.opts.backfill_collections);
         let done = next == Listing::Done;
         desync.set_listing(next);
         keep(store, desync, crate::verify::LISTING_KEY, ctx).await?;
         tracing::info!(queued, inactive = page.inactive, done, "backfill: a page of the host's repos queued");
         Ok(())
+    }
+}
+
+/// Where a listing stands, read from the kept [`Listing`]: which collection
+/// (`listReposByCollection`; `None` for `listRepos`) and the page cursor.
+#[derive(Debug, PartialEq, Eq)]
+struct ListingAt<'c> {
+    collection: Option<&'c str>,
+    cursor: Option<String>,
+}
+
+impl<'c> ListingAt<'c> {
+    /// The position `kept` names, among `collections` (empty: every repo); `None` once
+    /// done. With collections the kept cursor is `<collection> <cursor>`; one that names
+    /// a collection no longer listed starts over (queuing a repo twice is harmless).
+    fn of(kept: &crate::verify::Listing, collections: &'c [String]) -> Option<Self> {
+        use crate::verify::Listing;
+        let first = || collections.first().map(String::as_str);
+        match kept {
+            Listing::Done => None,
+            Listing::Start => Some(Self { collection: first(), cursor: None }),
+            Listing::After(c) if collections.is_empty() => Some(Self { collection: None, cursor: Some(c.clone()) }),
+            Listing::After(c) => {
+                let (name, cursor) = c.split_once(' ').unwrap_or((c, ""));
+                Some(match collections.iter().find(|x| *x == name) {
+                    Some(x) => Self { collection: Some(x), cursor: Some(cursor.to_owned()).filter(|c| !c.is_empty()) },
+                    None => Self { collection: first(), cursor: None },
+                })
+            }
+        }
+    }
+
+    /// What to keep after a page whose next cursor is `cursor` (`None`: this listing ended).
+    fn next(&self, cursor: Option<String>, collections: &[String]) -> crate::verify::Listing {
+        use crate::verify::Listing;
+        match (self.collection, cursor) {
+            (None, Some(c)) => Listing::After(c),
+            (None, None) => Listing::Done,
+            (Some(col), Some(c)) => Listing::After(format!("{col} {c}")),
+            (Some(col), None) => {
+                let after = collections.iter().skip_while(|x| *x != col).nth(1);
+                after.map_or(Listing::Done, |x| Listing::After(format!("{x} ")))
+            }
+        }
     }
 }
 
@@ -361,5 +408,36 @@ fn classify(e: &CheckError) -> (Outcome, &'static str) {
         CheckError::Fetch(FetchError::Parked(left)) => (later(*left), "parked"),
         CheckError::Verify(_) => (Outcome::Failed, "invalid"),
         _ => (Outcome::Failed, "failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ListingAt;
+    use crate::verify::Listing;
+
+    /// A listing by collection walks each collection's pages, then the next collection,
+    /// then is done; a kept position naming a collection no longer listed starts over.
+    #[test]
+    fn a_listing_by_collection_goes_through_each_collection_in_turn() {
+        let cols: Vec<String> = vec!["a.b.c".into(), "d.e.f".into()];
+        let at = ListingAt::of(&Listing::Start, &cols).expect("at");
+        assert_eq!(at, ListingAt { collection: Some("a.b.c"), cursor: None });
+        let kept = at.next(Some("p1".into()), &cols);
+        assert_eq!(kept, Listing::After("a.b.c p1".into()));
+        let at = ListingAt::of(&kept, &cols).expect("at");
+        assert_eq!(at, ListingAt { collection: Some("a.b.c"), cursor: Some("p1".into()) });
+        let kept = at.next(None, &cols);
+        assert_eq!(kept, Listing::After("d.e.f ".into()));
+        let at = ListingAt::of(&kept, &cols).expect("at");
+        assert_eq!(at, ListingAt { collection: Some("d.e.f"), cursor: None });
+        assert_eq!(at.next(None, &cols), Listing::Done);
+        assert_eq!(ListingAt::of(&Listing::Done, &cols), None);
+        let gone = ListingAt::of(&Listing::After("x.y.z p9".into()), &cols).expect("at");
+        assert_eq!(gone, ListingAt { collection: Some("a.b.c"), cursor: None });
+        // Every repo: the cursor alone.
+        let every = ListingAt::of(&Listing::After("c9".into()), &[]).expect("at");
+        assert_eq!(every, ListingAt { collection: None, cursor: Some("c9".into()) });
+        assert_eq!(every.next(None, &[]), Listing::Done);
     }
 }

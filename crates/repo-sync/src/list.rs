@@ -1,5 +1,6 @@
-//! Listing a host's repos (`com.atproto.sync.listRepos`, a relay or a PDS), a page at a
-//! time, for the backfill of every repo.
+//! Listing a host's repos (`com.atproto.sync.listRepos`, a relay or a PDS), or those that
+//! hold records of a collection (`com.atproto.sync.listReposByCollection`, a relay's
+//! collection index), a page at a time, for backfills.
 
 use std::time::Duration;
 
@@ -37,9 +38,37 @@ pub async fn list_repos(
     host: &str,
     cursor: Option<&str>,
 ) -> Result<ListPage, FetchError> {
+    page(client, host, "/xrpc/com.atproto.sync.listRepos", None, cursor).await
+}
+
+/// Asks `host` for the page, after `cursor`, of the repos that hold records of
+/// `collection` (an NSID).
+///
+/// # Errors
+/// As [`list_repos`].
+pub async fn list_repos_by_collection(
+    client: &guarded_http::Client,
+    host: &str,
+    collection: &str,
+    cursor: Option<&str>,
+) -> Result<ListPage, FetchError> {
+    page(client, host, "/xrpc/com.atproto.sync.listReposByCollection", Some(collection), cursor).await
+}
+
+/// One page of a listing at `path` (repos without an `active` field count as active).
+async fn page(
+    client: &guarded_http::Client,
+    host: &str,
+    path: &str,
+    collection: Option<&str>,
+    cursor: Option<&str>,
+) -> Result<ListPage, FetchError> {
     let mut url = url::Url::parse(host).map_err(FetchError::Endpoint)?;
-    url.set_path("/xrpc/com.atproto.sync.listRepos");
+    url.set_path(path);
     url.query_pairs_mut().clear().append_pair("limit", &LIST_LIMIT.to_string());
+    if let Some(c) = collection {
+        url.query_pairs_mut().append_pair("collection", c);
+    }
     if let Some(c) = cursor {
         url.query_pairs_mut().append_pair("cursor", c);
     }
@@ -52,7 +81,7 @@ pub async fn list_repos(
         return Err(FetchError::Failed(format!("HTTP {}", resp.status().as_u16())));
     }
     let body = guarded_http::read_bounded(resp, PAGE_MAX).await.map_err(|e| FetchError::Failed(e.to_string()))?;
-    let not_a_page = |why: String| FetchError::Failed(format!("not a listRepos page: {why}"));
+    let not_a_page = |why: String| FetchError::Failed(format!("not a listing page: {why}"));
     let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| not_a_page(e.to_string()))?;
     let repos = v["repos"].as_array().ok_or_else(|| not_a_page("no repos".into()))?;
     let (mut active, mut inactive) = (Vec::with_capacity(repos.len()), 0);

@@ -109,8 +109,21 @@ where
             tokio::spawn(async move {
                 let mut pending = Vec::new();
                 while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
+                    if line.contains("/xrpc/com.atproto.sync.listReposByCollection") {
+                        let collection =
+                            line.split("collection=").nth(1).and_then(|c| c.split([' ', '&']).next()).unwrap_or("");
+                        let body = list_page(&serve, &line, Some(&holding(collection)));
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                            body.len()
+                        );
+                        if s.write_all(head.as_bytes()).await.is_err() || s.write_all(body.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     if line.contains("/xrpc/com.atproto.sync.listRepos") {
-                        let body = list_page(&serve, &line);
+                        let body = list_page(&serve, &line, None);
                         let head = format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
                             body.len()
@@ -194,9 +207,16 @@ pub const LIST_PAGE: usize = 3;
 /// A `com.atproto.sync.listRepos` page of the served repos in DID order: those after the
 /// request's `cursor` (the last DID of the previous page), [`LIST_PAGE`] at most, each
 /// `active`; the last page has no cursor.
-fn list_page<S: std::hash::BuildHasher>(serve: &HashMap<String, String, S>, line: &str) -> String {
+fn list_page<S: std::hash::BuildHasher>(
+    serve: &HashMap<String, String, S>,
+    line: &str,
+    holding: Option<&std::collections::BTreeSet<String>>,
+) -> String {
     let after = line.split("cursor=").nth(1).and_then(|c| c.split([' ', '&']).next()).map(|c| c.replace("%3A", ":"));
-    let mut dids: Vec<&String> = serve.keys().filter(|d| after.as_ref().is_none_or(|a| *d > a)).collect();
+    let mut dids: Vec<&String> = serve
+        .keys()
+        .filter(|d| after.as_ref().is_none_or(|a| *d > a) && holding.is_none_or(|h| h.contains(*d)))
+        .collect();
     dids.sort();
     let page: Vec<&String> = dids.iter().take(LIST_PAGE).copied().collect();
     let repos: Vec<serde_json::Value> = page.iter().map(|d| serde_json::json!({ "did": d, "active": true })).collect();
@@ -205,6 +225,35 @@ fn list_page<S: std::hash::BuildHasher>(serve: &HashMap<String, String, S>, line
         v["cursor"] = serde_json::Value::String(page.last().map(|d| (*d).clone()).unwrap_or_default());
     }
     v.to_string()
+}
+
+/// The reference repos holding records of `collection` (`repos.json`'s `perCollection`):
+/// what `listReposByCollection` answers.
+///
+/// # Panics
+/// When the fixture is missing.
+#[must_use]
+pub fn holding(collection: &str) -> std::collections::BTreeSet<String> {
+    per_collection().into_iter().filter(|(_, c)| c.contains_key(collection)).map(|(d, _)| d).collect()
+}
+
+/// Each reference repo's record count per collection (`repos.json`).
+///
+/// # Panics
+/// When the fixture is missing.
+#[must_use]
+pub fn per_collection() -> std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>> {
+    let text = std::fs::read_to_string(repos_dir().join("repos.json")).expect("repos.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|r| {
+            let per = r["perCollection"].as_object().expect("perCollection");
+            let per = per.iter().map(|(c, n)| (c.clone(), n.as_u64().expect("count"))).collect();
+            (r["did"].as_str().expect("did").to_owned(), per)
+        })
+        .collect()
 }
 
 /// The reference DID documents (DID → JSON), their PDS at `base`.
