@@ -167,6 +167,9 @@ pub fn walk_tree<B: Blocks + ?Sized>(
     Ok(w.count)
 }
 
+/// What a walk hands each record to: its key and CID.
+type Leaf<'l> = dyn FnMut(&str, &[u8]) -> Result<(), RepoError> + 'l;
+
 /// Walks a tree that [`walk_tree`] verified already (the same blocks), in key order,
 /// handing `leaf` each key and record CID: what the records are rendered from. Nothing is
 /// checked again but that each node is there and decodes (its keys' heights, a SHA-256
@@ -179,12 +182,7 @@ pub fn walk_verified<B: Blocks + ?Sized>(
     root: &[u8],
     mut leaf: impl FnMut(&str, &[u8]) -> Result<(), RepoError>,
 ) -> Result<(), RepoError> {
-    fn go<B: Blocks + ?Sized>(
-        blocks: &B,
-        cid: &[u8],
-        depth: u32,
-        leaf: &mut dyn FnMut(&str, &[u8]) -> Result<(), RepoError>,
-    ) -> Result<(), RepoError> {
+    fn go<B: Blocks + ?Sized>(blocks: &B, cid: &[u8], depth: u32, leaf: &mut Leaf<'_>) -> Result<(), RepoError> {
         if depth > MAX_DEPTH {
             return Err(tree("tree deeper than 64 layers"));
         }

@@ -22,11 +22,14 @@ fn random_key(rng: &mut StdRng) -> String {
     format!("{c}/{rkey}")
 }
 
-/// A node as the test edits it: left subtree, entries (key, value, right subtree).
+/// A node entry as the test edits it: key, value, right subtree.
+type Entry = (Vec<u8>, Vec<u8>, Option<Vec<u8>>);
+
+/// A node as the test edits it: left subtree, entries.
 #[derive(Clone)]
 struct Node {
     left: Option<Vec<u8>>,
-    entries: Vec<(Vec<u8>, Vec<u8>, Option<Vec<u8>>)>,
+    entries: Vec<Entry>,
 }
 
 fn decode(b: &[u8]) -> Node {
@@ -217,9 +220,9 @@ fn bend(t: &mut Tree, rng: &mut StdRng, pick: u32) -> &'static str {
                 return "nothing (one subtree)";
             }
             subtrees.reverse();
-            n.left = subtrees[0].clone();
+            n.left.clone_from(&subtrees[0]);
             for (e, s) in n.entries.iter_mut().zip(&subtrees[1..]) {
-                e.2 = s.clone();
+                e.2.clone_from(s);
             }
             let new = t.put(&n);
             t.replace(&p, &new);

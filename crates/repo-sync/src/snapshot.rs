@@ -48,8 +48,11 @@ pub struct RepoSnapshot {
     pub records: u64,
 }
 
+/// Whether a snapshot carries a collection's records.
+pub type Want = dyn Fn(&str) -> bool + Send + Sync;
+
 /// Which collections a snapshot carries (`None`: all).
-pub type Wants = Option<Arc<dyn Fn(&str) -> bool + Send + Sync>>;
+pub type Wants = Option<Arc<Want>>;
 
 /// Records per part, at most.
 pub const PART_RECORDS: usize = 4096;
@@ -125,12 +128,7 @@ struct Found<'a> {
 }
 
 /// Walks the (verified) tree again, rendering the records `wants` keeps a part at a time.
-fn produce(
-    ix: &Indexed,
-    root: &[u8],
-    wants: Option<&Arc<dyn Fn(&str) -> bool + Send + Sync>>,
-    tx: &mpsc::Sender<Result<Vec<RepoRecord>, String>>,
-) {
+fn produce(ix: &Indexed, root: &[u8], wants: Option<&Arc<Want>>, tx: &mpsc::Sender<Result<Vec<RepoRecord>, String>>) {
     let gone = || RepoError::Read(std::io::Error::other("the reader is gone"));
     let mut found: Vec<Found<'_>> = Vec::with_capacity(PART_RECORDS);
     let mut size = 0usize;
@@ -149,8 +147,8 @@ fn produce(
         Ok(())
     });
     let last = match walked {
-        Ok(_) if found.is_empty() => return,
-        Ok(_) => Ok(render(&found)),
+        Ok(()) if found.is_empty() => return,
+        Ok(()) => Ok(render(&found)),
         Err(e) => Err(e.to_string()),
     };
     let _ = tx.blocking_send(last);

@@ -109,21 +109,7 @@ where
             tokio::spawn(async move {
                 let mut pending = Vec::new();
                 while let Some((line, _)) = crate::http::read_request_with_line(&mut s, &mut pending).await {
-                    if line.contains("/xrpc/com.atproto.sync.listReposByCollection") {
-                        let collection =
-                            line.split("collection=").nth(1).and_then(|c| c.split([' ', '&']).next()).unwrap_or("");
-                        let body = list_page(&serve, &line, Some(&holding(collection)));
-                        let head = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                            body.len()
-                        );
-                        if s.write_all(head.as_bytes()).await.is_err() || s.write_all(body.as_bytes()).await.is_err() {
-                            return;
-                        }
-                        continue;
-                    }
-                    if line.contains("/xrpc/com.atproto.sync.listRepos") {
-                        let body = list_page(&serve, &line, None);
+                    if let Some(body) = listing(&serve, &line) {
                         let head = format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
                             body.len()
@@ -207,6 +193,15 @@ pub const LIST_PAGE: usize = 3;
 /// A `com.atproto.sync.listRepos` page of the served repos in DID order: those after the
 /// request's `cursor` (the last DID of the previous page), [`LIST_PAGE`] at most, each
 /// `active`; the last page has no cursor.
+/// The answer to a listing request (`listRepos`, `listReposByCollection`), if `line` is one.
+fn listing<S: std::hash::BuildHasher>(serve: &HashMap<String, String, S>, line: &str) -> Option<String> {
+    if line.contains("/xrpc/com.atproto.sync.listReposByCollection") {
+        let collection = line.split("collection=").nth(1).and_then(|c| c.split([' ', '&']).next()).unwrap_or("");
+        return Some(list_page(serve, line, Some(&holding(collection))));
+    }
+    line.contains("/xrpc/com.atproto.sync.listRepos").then(|| list_page(serve, line, None))
+}
+
 fn list_page<S: std::hash::BuildHasher>(
     serve: &HashMap<String, String, S>,
     line: &str,
@@ -305,7 +300,10 @@ pub async fn redirecting(pds: &str) -> (String, Arc<std::sync::atomic::AtomicU32
 ///
 /// # Panics
 /// When it cannot listen.
-pub async fn start_files(files: HashMap<String, std::path::PathBuf>) -> String {
+pub async fn start_files<S>(files: HashMap<String, std::path::PathBuf, S>) -> String
+where
+    S: std::hash::BuildHasher + Send + Sync + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let files = Arc::new(files);
