@@ -130,6 +130,15 @@ pub trait Blocks {
     /// # Errors
     /// When the source cannot be read.
     fn block(&self, cid: &[u8]) -> std::io::Result<Option<Cow<'_, [u8]>>>;
+
+    /// True when the source holds the block named by `cid` (a source may answer without
+    /// reading it; [`Blocks::block`] still checks the whole CID when it is read).
+    ///
+    /// # Errors
+    /// When the source cannot be read.
+    fn has(&self, cid: &[u8]) -> std::io::Result<bool> {
+        self.block(cid).map(|b| b.is_some())
+    }
 }
 
 impl Blocks for Car<'_> {

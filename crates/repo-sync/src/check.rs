@@ -128,7 +128,7 @@ pub fn verify_indexed(ix: &Indexed, did: &str, key: &PublicKey, now_us: i64) -> 
         if Cid::from_bytes(v).is_err() {
             return Err(RepoError::Key(k.to_owned()));
         }
-        if ix.block(v).map_err(RepoError::Read)?.is_none() {
+        if !ix.has(v).map_err(RepoError::Read)? {
             return Err(RepoError::MissingRecord(k.to_owned()));
         }
         let collection = k.split_once('/').map_or(k, |(c, _)| c);
