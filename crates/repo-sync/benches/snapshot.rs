@@ -18,6 +18,11 @@ use repo_sync::snapshot::fetch_snapshot;
 
 const LARGE: &str = "did:plc:d255tkvufzfkpckokc332in6";
 
+// The allocator the binary uses: rendering allocates per record, and glibc's malloc
+// contends between the two rendering threads where jemalloc does not.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let reference = testkit::fold::reference();

@@ -123,6 +123,12 @@ impl Indexed {
         }
     }
 
+    /// True when the body is kept in memory (at most the fetch's memory bound).
+    #[must_use]
+    pub fn in_memory(&self) -> bool {
+        matches!(self.store, Store::Memory(_))
+    }
+
     /// The roots the CAR's header names.
     #[must_use]
     pub fn roots(&self) -> &[Vec<u8>] {

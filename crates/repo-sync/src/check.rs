@@ -75,7 +75,8 @@ pub async fn check_repo(
     now_us: i64,
 ) -> Result<Checked, CheckError> {
     let hosts = crate::hosts::Hosts::default();
-    let (pds, head, ix) = verified(resolver, client, Route { hosts: &hosts, via: None }, did, limits, now_us).await?;
+    let route = Route { hosts: &hosts, via: None };
+    let (pds, head, ix) = verified(resolver, client, route, did, limits, now_us, None).await?;
     Ok(Checked {
         pds,
         rev: head.rev,
@@ -113,18 +114,45 @@ pub struct Head {
 }
 
 /// Verifies the indexed CAR `ix` as the whole repo of `did` signed with `key` (see
-/// [`atproto_repo::repo`]): one walk of the tree, which also finds every record.
+/// [`atproto_repo::repo`]): the commit ([`verify_commit`]), then one walk of the tree,
+/// which also finds every record ([`verify_records`]).
 ///
 /// # Errors
 /// The first check the repo fails.
 pub fn verify_indexed(ix: &Indexed, did: &str, key: &PublicKey, now_us: i64) -> Result<Head, RepoError> {
+    let mut head = verify_commit(ix, did, key, now_us)?;
+    head.collections = verify_records(ix, &head.data_cid)?;
+    Ok(head)
+}
+
+/// Verifies the CAR's root as the signed commit of `did` (signed with `key`, its rev a TID
+/// not past `now_us` by more than the allowance): its [`Head`], no collections yet.
+///
+/// # Errors
+/// The first check the commit fails.
+pub fn verify_commit(ix: &Indexed, did: &str, key: &PublicKey, now_us: i64) -> Result<Head, RepoError> {
     let [root] = ix.roots() else { return Err(RepoError::Commit(CommitError::Root)) };
     let root_cid = Cid::from_bytes(root).map_err(|_| RepoError::Commit(CommitError::Root))?;
     let block = ix.block(root).map_err(RepoError::Read)?.ok_or(RepoError::Commit(CommitError::MissingCommit))?;
     let c = check_commit_block(root_cid, &block, did, key).map_err(RepoError::Commit)?;
     check_rev(c.rev, now_us)?;
+    Ok(Head {
+        rev: c.rev.to_owned(),
+        commit: c.cid.to_string_b32(),
+        data: c.data.to_string_b32(),
+        data_cid: c.data.as_bytes().to_vec(),
+        collections: BTreeMap::new(),
+    })
+}
+
+/// Walks the tree under `data` whole ([`walk_tree`]), every record present: how many
+/// records each collection holds.
+///
+/// # Errors
+/// The first check the tree fails.
+pub fn verify_records(ix: &Indexed, data: &[u8]) -> Result<BTreeMap<String, u64>, RepoError> {
     let mut collections: BTreeMap<String, u64> = BTreeMap::new();
-    walk_tree(ix, c.data.as_bytes(), |k, v| {
+    walk_tree(ix, data, |k, v| {
         if Cid::from_bytes(v).is_err() {
             return Err(RepoError::Key(k.to_owned()));
         }
@@ -144,19 +172,18 @@ pub fn verify_indexed(ix: &Indexed, did: &str, key: &PublicKey, now_us: i64) -> 
         }
         Ok(())
     })?;
-    Ok(Head {
-        rev: c.rev.to_owned(),
-        commit: c.cid.to_string_b32(),
-        data: c.data.to_string_b32(),
-        data_cid: c.data.as_bytes().to_vec(),
-        collections,
-    })
+    Ok(collections)
 }
+
+/// Called once the commit is verified and before the tree is: with the commit and the
+/// indexed body (a snapshot starts rendering a repo in memory then).
+pub(crate) type OnCommit = Box<dyn FnOnce(&Head, &Arc<Indexed>) + Send>;
 
 /// Resolves, fetches (from the route's `via` when given, else the PDS) and verifies
 /// `did`'s repo: the PDS, what the verification found, and the indexed body (for the
-/// records). Indexing and verifying run on a blocking thread: a large repo takes longer
-/// than a runtime worker may be held.
+/// records); `on_commit` is called between the commit's check and the tree's. Indexing and
+/// verifying run on a blocking thread: a large repo takes longer than a runtime worker may
+/// be held.
 pub(crate) async fn verified(
     resolver: &Resolver,
     client: &guarded_http::Client,
@@ -164,6 +191,7 @@ pub(crate) async fn verified(
     did: &str,
     limits: &Limits,
     now_us: i64,
+    on_commit: Option<OnCommit>,
 ) -> Result<(String, Head, Arc<Indexed>), CheckError> {
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
@@ -193,9 +221,9 @@ pub(crate) async fn verified(
     let ix = Arc::new(ix);
     let attempt = |key: PublicKey| {
         let (ix, did) = (ix.clone(), did.to_owned());
-        tokio::task::spawn_blocking(move || verify_indexed(&ix, &did, &key, now_us))
+        tokio::task::spawn_blocking(move || verify_commit(&ix, &did, &key, now_us))
     };
-    let head = match attempt(id.signing_key.clone()).await.map_err(joined)? {
+    let mut head = match attempt(id.signing_key.clone()).await.map_err(joined)? {
         Ok(h) => h,
         // The account may have rotated its key: once more with a freshly resolved one.
         Err(RepoError::Commit(CommitError::Signature(_))) => {
@@ -204,5 +232,13 @@ pub(crate) async fn verified(
         }
         Err(e) => return Err(CheckError::Verify(e)),
     };
+    if let Some(f) = on_commit {
+        f(&head, &ix);
+    }
+    let (walked, data) = (ix.clone(), head.data_cid.clone());
+    head.collections = tokio::task::spawn_blocking(move || verify_records(&walked, &data))
+        .await
+        .map_err(joined)?
+        .map_err(CheckError::Verify)?;
     Ok((pds, head, ix))
 }

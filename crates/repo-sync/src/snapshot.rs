@@ -102,7 +102,21 @@ pub async fn fetch_snapshot(
     now_us: i64,
     wants: Wants,
 ) -> Result<(RepoSnapshot, Parts), CheckError> {
-    let (pds, head, ix) = verified(resolver, client, route, did, limits, now_us).await?;
+    // A body in memory (at most the memory bound) starts rendering once its commit is
+    // verified, beside the tree's walk: up to EARLY_PARTS parts wait for the walk's verdict
+    // (dropped, unread, if it fails). A body on disk renders one part ahead of the reader.
+    let early: Arc<std::sync::Mutex<Option<Parts>>> = Arc::default();
+    let on_commit: crate::check::OnCommit = {
+        let (early, wants) = (early.clone(), wants.clone());
+        Box::new(move |head, ix| {
+            if ix.in_memory()
+                && let Ok(mut e) = early.lock()
+            {
+                *e = Some(spawn_parts(ix.clone(), head.data_cid.clone(), wants, EARLY_PARTS));
+            }
+        })
+    };
+    let (pds, head, ix) = verified(resolver, client, route, did, limits, now_us, Some(on_commit)).await?;
     let records = head.collections.iter().filter(|(c, _)| wants.as_ref().is_none_or(|w| w(c))).map(|(_, n)| n).sum();
     let snap = RepoSnapshot {
         did: did.to_owned(),
@@ -114,10 +128,20 @@ pub async fn fetch_snapshot(
         bytes: ix.len(),
         records,
     };
-    let (tx, rx) = mpsc::channel(1);
-    let root = head.data_cid;
+    let parts = early.lock().ok().and_then(|mut e| e.take());
+    let parts = parts.unwrap_or_else(|| spawn_parts(ix, head.data_cid, wants, 1));
+    Ok((snap, parts))
+}
+
+/// Parts of a repo in memory rendered ahead while its tree is verified.
+const EARLY_PARTS: usize = 8;
+
+/// Renders the records under `root` on a blocking thread, up to `ahead` parts ahead of
+/// the reader.
+fn spawn_parts(ix: Arc<Indexed>, root: Vec<u8>, wants: Wants, ahead: usize) -> Parts {
+    let (tx, rx) = mpsc::channel(ahead);
     tokio::task::spawn_blocking(move || produce(&ix, &root, wants.as_ref(), &tx));
-    Ok((snap, Parts { rx }))
+    Parts { rx }
 }
 
 /// A record found, not yet rendered.

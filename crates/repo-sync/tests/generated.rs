@@ -90,3 +90,25 @@ async fn a_byte_changed_in_a_generated_repo_is_refused() {
     }
     assert_eq!(built.records, N);
 }
+
+/// A repo kept in memory starts rendering once its commit is verified, beside the tree's
+/// walk: a record missing from it still ends the fetch with the walk's verdict, and no
+/// part of it is handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repo_in_memory_missing_a_record_is_refused_though_its_rendering_began() {
+    let dir = testkit::tmpdir("generated-missing");
+    let path = dir.join("repo.car");
+    let (_plc, r, _built) = world(&path).await;
+    let (root, blocks) = testkit::tamper::car_blocks(&std::fs::read(&path).expect("car"));
+    let gone = atproto_data::car::cid_for(&testkit::repo::record(DID, N - 1));
+    let kept: Vec<(Vec<u8>, Vec<u8>)> = blocks.into_iter().filter(|(c, _)| *c != gone).collect();
+    std::fs::write(&path, testkit::tamper::car_build(&root, &kept)).expect("write");
+    let hosts = repo_sync::hosts::Hosts::default();
+    let limits = Limits { spill_dir: dir.clone(), ..Limits::default() };
+    match fetch_snapshot(&r, &client(), Route { hosts: &hosts, via: None }, DID, &limits, now_us(), None).await {
+        Err(CheckError::Verify(atproto_repo::repo::RepoError::MissingRecord(k))) => {
+            assert_eq!(k, format!("app.bsky.feed.like/{}", testkit::repo::rkey(N - 1)));
+        }
+        other => panic!("{:?}", other.map(|(s, _)| s)),
+    }
+}
