@@ -418,6 +418,20 @@ async fn a_backfill_of_listed_dids_folds_to_every_repos_records() {
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
+/// A next leader of `env` (whose listing is done) leads two seconds without backfilling.
+async fn the_next_leader_backfills_nothing(env: &HashMap<String, String>, addr: &str, dir: &std::path::Path) {
+    let child = firekeeper(env, &[], &dir.join("b.log"));
+    eventually("the next leader", WAIT, async || {
+        let Some((200, body)) = http_get(addr, "/status").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["role"] == "leader")
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let (_, metrics) = http_get(addr, "/metrics").await.expect("metrics");
+    assert!(sigterm_and_wait(child).success());
+    assert!(!metrics.contains("reason=\"backfill\"} "), "nothing backfilled again: {metrics}");
+}
+
 /// `FIREKEEPER_BACKFILL=all`: a new deployment walks the host's `listRepos` (three
 /// pages here) and hands the sink every repo's snapshot: the fold equals every reference
 /// set. The listing's end is kept in the store: the next leader lists nothing again.
@@ -435,16 +449,7 @@ async fn a_backfill_of_every_listed_repo_walks_the_pages_once() {
     let log = std::fs::read_to_string(dir.join("a.log")).expect("log");
     assert_eq!(log.matches("backfill: a page of the host's repos queued").count(), 3, "{log}");
     // The next leader: the listing is done, nothing is queued again.
-    let child = firekeeper(&env, &[], &dir.join("b.log"));
-    eventually("the next leader", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["role"] == "leader")
-    })
-    .await;
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
-    assert!(sigterm_and_wait(child).success());
-    assert!(!metrics.contains("reason=\"backfill\"} "), "nothing backfilled again: {metrics}");
+    the_next_leader_backfills_nothing(&env, &addr, &dir).await;
     let text = std::fs::read_to_string(&out).expect("output");
     assert_eq!(text.lines().filter(|l| l.contains("\"#resync\"")).count(), 9, "each repo once");
     assert_reference(&testkit::fold::jsonl(&text));
@@ -490,16 +495,7 @@ async fn a_backfill_by_collection_takes_the_repos_that_hold_them() {
         assert!(got.keys().all(|k| COLLECTIONS.iter().any(|c| k.starts_with(&format!("{c}/")))), "{did}: {got:?}");
     }
     // The next leader: the listing is done, nothing is queued again.
-    let child = firekeeper(&env, &[], &dir.join("b.log"));
-    eventually("the next leader", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["role"] == "leader")
-    })
-    .await;
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
-    assert!(sigterm_and_wait(child).success());
-    assert!(!metrics.contains("reason=\"backfill\"} "), "nothing backfilled again: {metrics}");
+    the_next_leader_backfills_nothing(&env, &addr, &dir).await;
 }
 
 /// Backfill by collection refuses, at start, a filter it cannot list by.
