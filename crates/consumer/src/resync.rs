@@ -308,8 +308,17 @@ impl<'c> ListingAt<'c> {
     }
 
     /// What to keep after a page whose next cursor is `cursor` (`None`: this listing ended).
+    /// A host that answers the cursor it was asked with again would be asked for the same
+    /// page forever: that listing ends there (logged).
     fn next(&self, cursor: Option<String>, collections: &[String]) -> crate::verify::Listing {
         use crate::verify::Listing;
+        let cursor = match cursor {
+            Some(c) if self.cursor.as_deref() == Some(c.as_str()) => {
+                tracing::warn!(collection = self.collection, cursor = %c, "backfill: the host answered the cursor it was asked with; ending this listing");
+                None
+            }
+            c => c,
+        };
         match (self.collection, cursor) {
             (None, Some(c)) => Listing::After(c),
             (None, None) => Listing::Done,
@@ -435,6 +444,11 @@ mod tests {
         assert_eq!(ListingAt::of(&Listing::Done, &cols), None);
         let gone = ListingAt::of(&Listing::After("x.y.z p9".into()), &cols).expect("at");
         assert_eq!(gone, ListingAt { collection: Some("a.b.c"), cursor: None });
+        // A host answering the cursor it was asked with: that listing ends (no loop).
+        let stuck = ListingAt { collection: Some("a.b.c"), cursor: Some("p1".into()) };
+        assert_eq!(stuck.next(Some("p1".into()), &cols), Listing::After("d.e.f ".into()));
+        let stuck = ListingAt { collection: None, cursor: Some("p1".into()) };
+        assert_eq!(stuck.next(Some("p1".into()), &[]), Listing::Done);
         // Every repo: the cursor alone.
         let every = ListingAt::of(&Listing::After("c9".into()), &[]).expect("at");
         assert_eq!(every, ListingAt { collection: None, cursor: Some("c9".into()) });
