@@ -54,8 +54,10 @@ impl std::hash::Hasher for Tail {
     }
 }
 
-/// The last 8 bytes of a CID (of its digest).
-fn tail(c: &[u8]) -> u64 {
+/// The last 8 bytes of a CID (of its digest): uniform, so a hash key or a position
+/// guess as it is.
+#[must_use]
+pub fn tail(c: &[u8]) -> u64 {
     let mut t = [0u8; 8];
     let n = c.len().min(8);
     t[8 - n..].copy_from_slice(&c[c.len() - n..]);

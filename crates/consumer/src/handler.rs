@@ -193,16 +193,6 @@ impl Snapshot {
         Self { repo, reason, records, first, last }
     }
 
-    /// The whole snapshot of `repo` as one part (tests and handlers' own tools).
-    #[must_use]
-    pub fn whole(
-        repo: repo_sync::snapshot::RepoSnapshot,
-        reason: &str,
-        records: Vec<repo_sync::snapshot::RepoRecord>,
-    ) -> Self {
-        Self::part(Arc::new(repo), reason.into(), records, 0, true)
-    }
-
     /// The repo's DID.
     #[must_use]
     pub fn did(&self) -> &str {

@@ -489,29 +489,25 @@ impl Lane {
     async fn snapshot(&self, s: Staged, done: &mpsc::UnboundedSender<Done>) -> bool {
         let Staged { snapshot: mut sp, done: answer, .. } = s;
         let mut at = 0u64;
-        let mut next = sp.parts.next().await;
-        let mut started = false;
+        // A repo with no records (or none the filter keeps) is the `#resync` alone.
+        let mut part = sp.parts.next().await.unwrap_or(Ok(Vec::new()));
         let r = loop {
-            let records = match next {
-                Some(Ok(records)) => records,
-                Some(Err(why)) => break Err(HandlerError::refused("repo sync", why)),
-                // A repo with no records (or none the filter keeps): the `#resync` alone.
-                None if !started => Vec::new(),
-                None => break Ok(()),
+            let records = match part {
+                Ok(records) => records,
+                Err(why) => break Err(HandlerError::refused("repo sync", why)),
             };
-            started = true;
             // One part ahead, to know whether this one is the last (the next renders
-            // meanwhile).
-            let after = if records.is_empty() && at == 0 { None } else { sp.parts.next().await };
-            let part = Snapshot::part(sp.repo.clone(), sp.reason.clone(), records, at, after.is_none());
-            if let Err(e) = self.write_part(&part).await {
+            // meanwhile; parts are never empty, so an empty one is the only one).
+            let after = if records.is_empty() { None } else { sp.parts.next().await };
+            let part_now = Snapshot::part(sp.repo.clone(), sp.reason.clone(), records, at, after.is_none());
+            if let Err(e) = self.write_part(&part_now).await {
                 break Err(e);
             }
-            at += part.records().len() as u64;
-            if after.is_none() {
-                break Ok(());
+            at += part_now.records().len() as u64;
+            match after {
+                Some(next) => part = next,
+                None => break Ok(()),
             }
-            next = after;
         };
         match r {
             Ok(()) => {

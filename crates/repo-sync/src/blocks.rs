@@ -9,6 +9,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt as _;
 
 use atproto_data::DecodeError;
+use atproto_data::car::tail;
 use atproto_repo::repo::{Blocks, RepoError};
 use sha2::Digest as _;
 
@@ -71,14 +72,6 @@ pub struct Indexed {
 
 fn car(what: impl Into<String>) -> RepoError {
     RepoError::Car(DecodeError::Car(what.into()))
-}
-
-/// The last 8 bytes of a CID.
-fn tail(c: &[u8]) -> u64 {
-    let mut t = [0u8; 8];
-    let n = c.len().min(8);
-    t[8 - n..].copy_from_slice(&c[c.len() - n..]);
-    u64::from_le_bytes(t)
 }
 
 /// A varint, or `None` at a clean end of input.

@@ -76,7 +76,8 @@ pub async fn check_repo(
 ) -> Result<Checked, CheckError> {
     let hosts = crate::hosts::Hosts::default();
     let route = Route { hosts: &hosts, via: None };
-    let (pds, head, ix) = verified(resolver, client, route, did, limits, now_us, None).await?;
+    let (pds, head, ix) = committed(resolver, client, route, did, limits, now_us).await?;
+    let head = walked(&ix, head).await?;
     Ok(Checked {
         pds,
         rev: head.rev,
@@ -175,23 +176,27 @@ pub fn verify_records(ix: &Indexed, data: &[u8]) -> Result<BTreeMap<String, u64>
     Ok(collections)
 }
 
-/// Called once the commit is verified and before the tree is: with the commit and the
-/// indexed body (a snapshot starts rendering a repo in memory then).
-pub(crate) type OnCommit = Box<dyn FnOnce(&Head, &Arc<Indexed>) + Send>;
+/// [`verify_records`] on a blocking thread: `head` with its collections.
+pub(crate) async fn walked(ix: &Arc<Indexed>, mut head: Head) -> Result<Head, CheckError> {
+    let (ix, data) = (ix.clone(), head.data_cid.clone());
+    head.collections = tokio::task::spawn_blocking(move || verify_records(&ix, &data))
+        .await
+        .map_err(|e| CheckError::Read(std::io::Error::other(e)))?
+        .map_err(CheckError::Verify)?;
+    Ok(head)
+}
 
-/// Resolves, fetches (from the route's `via` when given, else the PDS) and verifies
-/// `did`'s repo: the PDS, what the verification found, and the indexed body (for the
-/// records); `on_commit` is called between the commit's check and the tree's. Indexing and
-/// verifying run on a blocking thread: a large repo takes longer than a runtime worker may
-/// be held.
-pub(crate) async fn verified(
+/// Resolves, fetches (from the route's `via` when given, else the PDS), indexes and
+/// verifies the commit of `did`'s repo: the PDS, the commit, and the indexed body, whose
+/// tree the caller walks next ([`walked`]). Indexing and verifying run on a blocking
+/// thread: a large repo takes longer than a runtime worker may be held.
+pub(crate) async fn committed(
     resolver: &Resolver,
     client: &guarded_http::Client,
     route: Route<'_>,
     did: &str,
     limits: &Limits,
     now_us: i64,
-    on_commit: Option<OnCommit>,
 ) -> Result<(String, Head, Arc<Indexed>), CheckError> {
     let id = resolver.resolve(did).await.map_err(CheckError::Resolve)?;
     let pds = id.pds.clone().ok_or(CheckError::NoPds)?;
@@ -223,7 +228,7 @@ pub(crate) async fn verified(
         let (ix, did) = (ix.clone(), did.to_owned());
         tokio::task::spawn_blocking(move || verify_commit(&ix, &did, &key, now_us))
     };
-    let mut head = match attempt(id.signing_key.clone()).await.map_err(joined)? {
+    let head = match attempt(id.signing_key.clone()).await.map_err(joined)? {
         Ok(h) => h,
         // The account may have rotated its key: once more with a freshly resolved one.
         Err(RepoError::Commit(CommitError::Signature(_))) => {
@@ -232,13 +237,5 @@ pub(crate) async fn verified(
         }
         Err(e) => return Err(CheckError::Verify(e)),
     };
-    if let Some(f) = on_commit {
-        f(&head, &ix);
-    }
-    let (walked, data) = (ix.clone(), head.data_cid.clone());
-    head.collections = tokio::task::spawn_blocking(move || verify_records(&walked, &data))
-        .await
-        .map_err(joined)?
-        .map_err(CheckError::Verify)?;
     Ok((pds, head, ix))
 }

@@ -11,7 +11,7 @@ use atproto_repo::repo::{Blocks as _, RepoError, walk_verified};
 use tokio::sync::mpsc;
 
 use crate::blocks::Indexed;
-use crate::check::{CheckError, verified};
+use crate::check::{CheckError, committed, walked};
 use crate::fetch::Limits;
 
 /// One record of a snapshot.
@@ -102,21 +102,12 @@ pub async fn fetch_snapshot(
     now_us: i64,
     wants: Wants,
 ) -> Result<(RepoSnapshot, Parts), CheckError> {
-    // A body in memory (at most the memory bound) starts rendering once its commit is
-    // verified, beside the tree's walk: up to EARLY_PARTS parts wait for the walk's verdict
-    // (dropped, unread, if it fails). A body on disk renders one part ahead of the reader.
-    let early: Arc<std::sync::Mutex<Option<Parts>>> = Arc::default();
-    let on_commit: crate::check::OnCommit = {
-        let (early, wants) = (early.clone(), wants.clone());
-        Box::new(move |head, ix| {
-            if ix.in_memory()
-                && let Ok(mut e) = early.lock()
-            {
-                *e = Some(spawn_parts(ix.clone(), head.data_cid.clone(), wants, EARLY_PARTS));
-            }
-        })
-    };
-    let (pds, head, ix) = verified(resolver, client, route, did, limits, now_us, Some(on_commit)).await?;
+    let (pds, head, ix) = committed(resolver, client, route, did, limits, now_us).await?;
+    // A body in memory (at most the memory bound) starts rendering now, beside the tree's
+    // walk: up to EARLY_PARTS parts wait for the walk's verdict (dropped, unread, if it
+    // fails). A body on disk renders after, one part ahead of the reader.
+    let early = ix.in_memory().then(|| spawn_parts(ix.clone(), head.data_cid.clone(), wants.clone(), EARLY_PARTS));
+    let head = walked(&ix, head).await?;
     let records = head.collections.iter().filter(|(c, _)| wants.as_ref().is_none_or(|w| w(c))).map(|(_, n)| n).sum();
     let snap = RepoSnapshot {
         did: did.to_owned(),
@@ -128,8 +119,7 @@ pub async fn fetch_snapshot(
         bytes: ix.len(),
         records,
     };
-    let parts = early.lock().ok().and_then(|mut e| e.take());
-    let parts = parts.unwrap_or_else(|| spawn_parts(ix, head.data_cid, wants, 1));
+    let parts = early.unwrap_or_else(|| spawn_parts(ix, head.data_cid, wants, 1));
     Ok((snap, parts))
 }
 
