@@ -115,7 +115,9 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
         let relay = s
             .relay
             .map_or_else(String::new, |r| format!(" · relay {r}{}", if s.connected { "" } else { " (connecting)" }));
+        let sync = s.repo_sync.filter(consumer::progress::Progress::is_active);
         if json {
+            let p = sync.as_ref();
             tracing::info!(
                 role = s.role.as_str(),
                 token = s.token,
@@ -125,14 +127,22 @@ pub async fn summary_lines(status: consumer::StatusHandle, every: std::time::Dur
                 received_per_second = received.round(),
                 lag_seconds = s.lag_seconds,
                 committed = s.committed,
+                repo_sync_queued = p.map(|p| p.queued),
+                repo_sync_in_flight = p.map(|p| p.in_flight),
+                repo_sync_done = p.map(|p| p.done),
+                repo_sync_failed = p.map(|p| p.failed),
+                repo_sync_repos_per_second = p.map(|p| p.rates.repos_per_second.round()),
+                repo_sync_records_per_second = p.map(|p| p.rates.records_per_second.round()),
+                repo_sync_eta_seconds = p.and_then(|p| p.eta_seconds),
                 "summary"
             );
             continue;
         }
         let lag = s.lag_seconds.map_or_else(|| "-".to_owned(), |l| format!("{l:.1} s"));
         let cursor = s.committed.map_or_else(|| "none".to_owned(), |c| c.to_string());
+        let sync = sync.map_or_else(String::new, |p| format!(" · repo sync {}", p.line()));
         eprintln!(
-            "firekeeper: {}{token}{relay} · {written:.0} events/s written ({received:.0}/s received) · lag {lag} · cursor {cursor}",
+            "firekeeper: {}{token}{relay} · {written:.0} events/s written ({received:.0}/s received) · lag {lag} · cursor {cursor}{sync}",
             s.role.as_str()
         );
     }

@@ -411,11 +411,22 @@ async fn a_backfill_of_listed_dids_folds_to_every_repos_records() {
     assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
     eventually("every listed repo backfilled", WAIT, async || settled(&addr, "backfill", 9).await).await;
+    let (_, status) = http_get(&addr, "/status").await.expect("status");
     assert!(sigterm_and_wait(child).success());
     let text = std::fs::read_to_string(&out).expect("output");
     assert_eq!(text.lines().filter(|l| l.contains("\"#resync\"")).count(), 9, "each repo once");
     assert!(text.lines().all(|l| l.starts_with("{\"seq\":null,")), "nothing but snapshots");
-    assert_reference(&testkit::fold::jsonl(&text));
+    let folded = testkit::fold::jsonl(&text);
+    assert_reference(&folded);
+    // The progress a person watches: the list worked through, every repo and record
+    // counted, a rate measured, nothing left (no ETA).
+    let p = &serde_json::from_str::<serde_json::Value>(&status).expect("json")["repo_sync"];
+    let records: usize = folded.values().map(std::collections::BTreeMap::len).sum();
+    assert_eq!((p["done"].as_u64(), p["queued"].as_u64(), p["in_flight"].as_u64()), (Some(9), Some(0), Some(0)), "{p}");
+    assert_eq!(p["records"].as_u64(), Some(records as u64), "{p}");
+    assert_eq!((p["backfill"]["listed"].as_u64(), p["backfill"]["listed_queued"].as_u64()), (Some(9), Some(9)), "{p}");
+    assert!(p["repos_per_second"].as_f64().is_some_and(|r| r > 0.0) && p["bytes"].as_u64() > Some(0), "{p}");
+    assert!(p["eta_seconds"].is_null(), "{p}");
 }
 
 /// A next leader of `env` (whose listing is done) leads two seconds without backfilling.

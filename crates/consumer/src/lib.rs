@@ -64,6 +64,7 @@ pub mod handler;
 pub mod metrics;
 mod options;
 mod pipeline;
+pub mod progress;
 pub mod resync;
 mod run;
 pub mod shadow;

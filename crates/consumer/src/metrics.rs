@@ -81,6 +81,8 @@ pub const RESYNC_RECORDS: &str = "firekeeper_resync_records_total";
 pub const RESYNC_BYTES: &str = "firekeeper_resync_bytes_total";
 /// Resync downloads in flight.
 pub const RESYNC_IN_FLIGHT: &str = "firekeeper_resync_in_flight";
+/// The leader's resync queue by state (`desynchronized`, `resyncing`, `gone`, `failed`).
+pub const RESYNC_QUEUE: &str = "firekeeper_resync_queue";
 /// Events dropped because a snapshot delivered before them covers them.
 pub const RESYNC_COVERED: &str = "firekeeper_resync_covered_total";
 
@@ -131,6 +133,12 @@ pub const ALL: &[Metric] = &[
     gauge(DESYNC_REPOS, "repos marked desynchronised (an invalid event, a broken chain): the resync queue"),
     gauge(VERIFY_HELD, "events held because their DID does not resolve now"),
     gauge(RESYNC_IN_FLIGHT, "repo resync downloads in flight"),
+    Metric {
+        name: RESYNC_QUEUE,
+        kind: MetricKind::Gauge,
+        help: "the leader's resync queue by state (desynchronized, resyncing, gone, failed); 0 on a standby",
+        labels: &[("state", "desynchronized")],
+    },
     gauge(LAG_SECONDS, "the leader's age of the newest delivered event (relay time to now); 0 on a standby"),
     gauge(
         UNCOMMITTED_SEQ,

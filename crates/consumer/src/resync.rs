@@ -163,8 +163,15 @@ impl Resyncer {
     ) {
         let permits = Arc::new(Semaphore::new(self.opts.workers.max(1)));
         let mut tasks = JoinSet::new();
+        desync.plan_backfill(self.opts.backfill.len(), self.opts.backfill_list.is_some());
+        let _zeroed = QueueGauges;
+        let mut shown: Option<std::time::Instant> = None;
         loop {
             while tasks.try_join_next().is_some() {}
+            if shown.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                QueueGauges::set(&desync);
+                shown = Some(std::time::Instant::now());
+            }
             for did in desync.take_requests() {
                 if keep(store.as_ref(), &desync, &did, &ctx).await.is_err() {
                     return;
@@ -195,6 +202,26 @@ impl Resyncer {
                 () = tokio::time::sleep(Duration::from_millis(wait.unsigned_abs())) => {}
                 Some(_) = tasks.join_next() => {}
             }
+        }
+    }
+}
+
+/// `firekeeper_resync_queue{state}`, set by the leader's worker at most once a second and
+/// zeroed when its term ends (a standby shows no queue).
+struct QueueGauges;
+
+impl QueueGauges {
+    fn set(desync: &Desync) {
+        for (state, n) in desync.by_state() {
+            metrics::gauge!(m::RESYNC_QUEUE, "state" => state).set(n as f64);
+        }
+    }
+}
+
+impl Drop for QueueGauges {
+    fn drop(&mut self) {
+        for state in crate::verify::state::ALL {
+            metrics::gauge!(m::RESYNC_QUEUE, "state" => state).set(0.0);
         }
     }
 }
@@ -370,6 +397,7 @@ impl Job {
                         metrics::counter!(m::RESYNCS, "outcome" => "done", "reason" => reason).increment(1);
                         metrics::counter!(m::RESYNC_RECORDS).increment(records);
                         metrics::counter!(m::RESYNC_BYTES).increment(bytes);
+                        self.desync.meter.add(now_ms().unsigned_abs() / 1000, records, bytes);
                         Outcome::Done(rev_tid)
                     }
                     Ok(Err(why)) if why == STALE => {

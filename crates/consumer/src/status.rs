@@ -97,6 +97,9 @@ pub struct Status {
     pub desynchronized: usize,
     /// The resync queue by state: `desynchronized` (queued), `resyncing`, `gone`, `failed`.
     pub resync: std::collections::BTreeMap<&'static str, usize>,
+    /// Repo sync as a person watches it: the queue, what was done, rates, the backfill
+    /// and an ETA (`None` without repo sync).
+    pub repo_sync: Option<crate::progress::Progress>,
     /// The sink's writes are failing (and retried): not ready while set.
     pub sink_failing: Option<SinkFailing>,
     /// The cursor store has taken no commit for `uncommitted_max`: intake waits, not ready.
@@ -173,6 +176,7 @@ impl StatusHandle {
         let mut s = self.0.status.borrow().clone();
         s.desynchronized = self.0.desync.len();
         s.resync = self.0.desync.by_state().into_iter().collect();
+        s.repo_sync = self.0.desync.progress(crate::verify::now_ms().unsigned_abs() / 1000);
         s.lease_store_error = self.lease_trouble();
         let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
         if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {

@@ -288,6 +288,10 @@ pub struct Desync {
     listing: Mutex<Listing>,
     /// Repos an operator asked to resync, for the worker to keep in the store.
     requests: Mutex<Vec<String>>,
+    /// Resyncs done, with their rates.
+    pub(crate) meter: crate::progress::Meter,
+    /// The backfill set: the DID list's length, and whether a host's listing runs.
+    plan: Mutex<(usize, bool)>,
 }
 
 /// What an operator's resync request did.
@@ -733,6 +737,49 @@ impl Desync {
             }
         }
         out
+    }
+
+    /// Notes the backfill set (for the progress): the DID list's length, and whether a
+    /// host's listing is worked after it.
+    pub(crate) fn plan_backfill(&self, listed: usize, listing: bool) {
+        if let Ok(mut p) = self.plan.lock() {
+            *p = (listed, listing);
+        }
+    }
+
+    /// Where repo sync stands at `now_s` (Unix seconds); `None` without repo sync.
+    #[must_use]
+    pub fn progress(&self, now_s: u64) -> Option<crate::progress::Progress> {
+        use crate::progress::{Backfill, Progress};
+        if !self.resyncs() {
+            return None;
+        }
+        let by = self.by_state();
+        let n = |st: &str| by.iter().find(|(s, _)| *s == st).map_or(0, |x| x.1);
+        let (done, records, bytes) = self.meter.totals();
+        let (listed, listing) = self.plan.lock().map_or((0, false), |p| *p);
+        let backfill = (listed > 0 || listing).then(|| Backfill {
+            listed_queued: self.backfilled(),
+            listed,
+            listing: match (listing, self.listing()) {
+                (false, _) => "off",
+                (true, Listing::Done) => "done",
+                (true, _) => "listing",
+            },
+        });
+        let p = Progress {
+            queued: n(state::QUEUED),
+            in_flight: n(state::RESYNCING),
+            done,
+            failed: n(state::FAILED),
+            gone: n(state::GONE),
+            records,
+            bytes,
+            rates: self.meter.rates(now_s),
+            backfill,
+            ..Progress::default()
+        };
+        Some(p.estimate())
     }
 
     /// The desynchronised repos, by seq.
