@@ -267,15 +267,19 @@ fn check_parts(r: &Raw, errors: &mut Vec<String>) {
     }
 }
 
-/// The host a listed backfill walks (`FIREKEEPER_BACKFILL_HOST`, else the primary relay).
-fn backfill_host(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) {
+/// The host listings ask (`FIREKEEPER_BACKFILL_HOST`, else the primary relay): a listed
+/// backfill's, and the reconcile's after an accepted gap.
+fn listing_host(r: &Raw, errors: &mut Vec<String>) -> Option<String> {
     let host = match &r.backfill_host {
         Some(h) => h.clone(),
-        None => r.relay.as_ref().map(|u| u.http_origin().to_string()).unwrap_or_default(),
+        None => r.relay.as_ref()?.http_origin().to_string(),
     };
     match url::Url::parse(&host) {
-        Ok(u) if matches!(u.scheme(), "http" | "https") => options.resync.backfill_list = Some(host),
-        _ => errors.push("FIREKEEPER_BACKFILL_HOST must be an http(s):// URL".into()),
+        Ok(u) if matches!(u.scheme(), "http" | "https") => Some(host),
+        _ => {
+            errors.push("FIREKEEPER_BACKFILL_HOST must be an http(s):// URL".into());
+            None
+        }
     }
 }
 
@@ -285,6 +289,8 @@ fn backfill_host(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<Stri
 fn repo_sync(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>) {
     use crate::settings::BackfillMode;
     let listed = !options.resync.backfill.is_empty();
+    let host = listing_host(r, errors);
+    options.resync.reconcile_host.clone_from(&host);
     match r.backfill.unwrap_or(if listed { BackfillMode::Dids } else { BackfillMode::Off }) {
         BackfillMode::Off => options.resync.backfill.clear(),
         BackfillMode::Dids if !listed => {
@@ -304,9 +310,9 @@ fn repo_sync(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>)
                 ));
             }
             options.resync.backfill_collections = entries.to_vec();
-            backfill_host(r, options, errors);
+            options.resync.backfill_list = host;
         }
-        BackfillMode::All => backfill_host(r, options, errors),
+        BackfillMode::All => options.resync.backfill_list = host,
     }
     options.resync.source = match r.sync_source.as_deref() {
         None | Some("pds") => None,

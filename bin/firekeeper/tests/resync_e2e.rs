@@ -61,11 +61,18 @@ struct World {
 }
 
 async fn world(pds: &str, frames: Vec<testkit::bytes_compat::Bytes>, dir: &std::path::Path) -> World {
+    world_with(pds, frames, relay_sim::SimConfig::default(), dir).await
+}
+
+/// [`world`] with relay-sim configured by `cfg`.
+async fn world_with(
+    pds: &str,
+    frames: Vec<testkit::bytes_compat::Bytes>,
+    cfg: relay_sim::SimConfig,
+    dir: &std::path::Path,
+) -> World {
     let plc = Plc::start(testkit::pds::docs(pds)).await;
-    let relay =
-        relay_sim::RelaySim::start_with(frames, relay_sim::SimConfig::default(), "127.0.0.1:0".parse().expect("addr"))
-            .await
-            .expect("sim");
+    let relay = relay_sim::RelaySim::start_with(frames, cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim");
     let mut env = base_env(&relay.url(), dir);
     let addr = format!("127.0.0.1:{}", free_port());
     let out = dir.join("out.jsonl");
@@ -713,4 +720,113 @@ async fn an_operator_resync_is_kept_and_survives_the_leader() {
         let (count, digest) = &testkit::fold::reference()[did];
         assert_eq!((folded[did].len() as u64, testkit::fold::digest(&folded[did])), (*count, digest.clone()), "{did}");
     }
+}
+
+/// The `#resync` lines of a jsonl output: (repo, reason).
+fn resyncs(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter(|l| l.contains("\"#resync\""))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            let e = &v["event"];
+            (e["repo"].as_str().unwrap_or_default().to_owned(), e["reason"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+/// How the relay loses the events the leader did not read while it was away.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    /// It trimmed its log to start at seq 469: the reconnect gets `OutdatedCursor`, then
+    /// 469-508 (the large repo's commits only).
+    Trimmed,
+    /// It restarted numbering from 1 (the rest as 1-128): the leader's cursor is in its
+    /// future, and `FIREKEEPER_FUTURE_CURSOR=live` takes the live tail (nothing after).
+    Renumbered,
+}
+
+/// An accepted gap: the leader handed over the stream to seq 380; while it was away the
+/// relay went on to 508 and lost what the leader did not read (see [`Lost`]): the small
+/// repos' last commits (381-434) fell in the gap and they have none after. The repos the
+/// leader handed over are compared with the host's `listRepos` revs and those that moved
+/// are resynchronised (reason `gap`); the small repo whose snapshot (a chain repair at seq
+/// 255) already holds its final state is not fetched again. The fold equals every repo's
+/// reference records: without the reconcile the seven small repos would stay at their
+/// seq-380 state.
+async fn after_a_gap(lost: Lost) {
+    let frames = resync_frames();
+    let total = frames.len();
+    let head = frames.iter().position(|f| relay_sim::frame_seq(f) == Some(380)).expect("seq 380") + 1;
+    let base = testkit::pds::start(every_repo()).await;
+    let dir = tmpdir("gap-reconcile");
+    let cfg = relay_sim::SimConfig { initial_head: Some(head), ..relay_sim::SimConfig::default() };
+    let World { mut env, addr, out, plc: _plc, _relay: sim } = world_with(&base, frames, cfg, &dir).await;
+    env.insert("FIREKEEPER_BACKFILL_HOST".into(), base.clone());
+    env.insert("FIREKEEPER_FUTURE_CURSOR".into(), "live".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("the stream to seq 380 committed, the repo broken at 255 repaired", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["committed"] == 380 && v["desynchronized"] == 0 && resyncs_done(&metrics) >= 1
+    })
+    .await;
+    let relay = sim.handle();
+    relay.set_down(true);
+    // The connection must be gone before the rest is published, or it streams it all.
+    eventually("the relay's connection closed", WAIT, async || relay.open_connections() == 0).await;
+    match lost {
+        Lost::Trimmed => relay.trim(469),
+        Lost::Renumbered => relay.reset_seq(1),
+    }
+    relay.publish_up_to(total);
+    relay.set_down(false);
+    if lost == Lost::Renumbered {
+        // The live tail places the stream at its first event: one arrives (an identity
+        // event of the first frame, numbered after the rest).
+        eventually("the live tail subscribed", WAIT, async || {
+            relay.open_connections() == 1 && relay.cursors().last() == Some(&None)
+        })
+        .await;
+        let first = resync_frames().into_iter().next().expect("a frame");
+        relay.publish(relay_sim::with_seq(&first, 129).expect("renumbered"));
+    }
+    // Renumbered, the large repo's last commits are lost too (none after the gap).
+    let moved = if lost == Lost::Trimmed { 7 } else { 8 };
+    eventually("the moved repos resynchronised", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        let gap = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("firekeeper_resyncs_total{outcome=\"done\",reason=\"gap\"} "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let streamed = lost == Lost::Renumbered || v["committed"] == 508;
+        streamed && v["desynchronized"] == 0 && gap >= moved
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    let log = std::fs::read_to_string(dir.join("c.log")).expect("log");
+    assert!(log.contains("accepted gap: comparing the repos handed over"), "{log}");
+    let text = std::fs::read_to_string(&out).expect("output");
+    let gap: std::collections::BTreeSet<String> =
+        resyncs(&text).into_iter().filter(|(_, why)| why == "gap").map(|(repo, _)| repo).collect();
+    let expected = testkit::fold::reference().into_keys().filter(|d| d != RSMALL2 && (d != RLARGE || moved == 8));
+    for did in expected {
+        assert!(gap.contains(&did), "{did} moved in the gap and was not resynchronised: {gap:?}");
+    }
+    assert!(!gap.contains(RSMALL2), "a repo whose snapshot holds its final state was fetched again: {gap:?}");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outdated_cursor_the_repos_that_moved_are_resynchronised() {
+    after_a_gap(Lost::Trimmed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_future_cursor_taken_live_the_repos_that_moved_are_resynchronised() {
+    after_a_gap(Lost::Renumbered).await;
 }

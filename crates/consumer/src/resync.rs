@@ -48,8 +48,10 @@ pub mod reason {
     pub const OPERATOR: &str = "operator";
     /// A backfill listed it.
     pub const BACKFILL: &str = "backfill";
+    /// After an accepted gap, the host's listing showed it newer than what was handed over.
+    pub const GAP: &str = "gap";
     /// Every reason of this module.
-    pub const ALL: [&str; 5] = [SYNC, REACTIVATED, IDENTITY, OPERATOR, BACKFILL];
+    pub const ALL: [&str; 6] = [SYNC, REACTIVATED, IDENTITY, OPERATOR, BACKFILL, GAP];
 }
 
 /// Repo sync settings.
@@ -78,6 +80,11 @@ pub struct ResyncOptions {
     /// (`com.atproto.sync.listReposByCollection`, exact NSIDs, one after another) instead
     /// of every repo.
     pub backfill_collections: Vec<String>,
+    /// After an accepted gap (`FIREKEEPER_GAP=live`, `FIREKEEPER_FUTURE_CURSOR=live`, a
+    /// relay's `OutdatedCursor`), the repos this term handed over are compared with this
+    /// host's `com.atproto.sync.listRepos` revs, and those that moved are resynchronised
+    /// (`None`: no reconcile).
+    pub reconcile_host: Option<String>,
     /// Where `getRepo` is asked: `None` the repo's PDS (from its DID document), else this
     /// host (a relay, which redirects to the PDS; redirects are followed, at most 3).
     pub source: Option<String>,
@@ -95,6 +102,7 @@ impl Default for ResyncOptions {
             backfill: Vec::new(),
             backfill_list: None,
             backfill_collections: Vec::new(),
+            reconcile_host: None,
             source: None,
         }
     }
@@ -120,6 +128,8 @@ pub(crate) struct Resyncer {
     wants: repo_sync::snapshot::Wants,
     /// No listing page is asked for before this (after a failed one).
     listing_after: std::sync::Mutex<Option<std::time::Instant>>,
+    /// No reconcile page is asked for before this (after a failed one).
+    reconcile_after: std::sync::Mutex<Option<std::time::Instant>>,
     /// PDSs parked by their rate limits (kept across terms: the limit is the host's).
     hosts: repo_sync::hosts::Hosts,
 }
@@ -148,18 +158,21 @@ impl Resyncer {
             opts,
             wants: filter.map(|f| -> Arc<dyn Fn(&str) -> bool + Send + Sync> { Arc::new(move |c| f.wants(c)) }),
             listing_after: std::sync::Mutex::new(None),
+            reconcile_after: std::sync::Mutex::new(None),
             hosts: repo_sync::hosts::Hosts::default(),
         })
     }
 
     /// Works the queue for one term: takes due repos, fetches them, hands each snapshot
-    /// to the term on `ready`; ends with the term.
+    /// to the term on `ready`; ends with the term. `known` answers the last rev this term
+    /// handed over of a repo (for the reconcile after a gap).
     pub(crate) async fn run(
         self: Arc<Self>,
         desync: Arc<Desync>,
         store: Arc<dyn checkpoint::CursorStore>,
         ctx: BatchCtx,
         ready: mpsc::Sender<Ready>,
+        known: Option<Known>,
     ) {
         let permits = Arc::new(Semaphore::new(self.opts.workers.max(1)));
         let mut tasks = JoinSet::new();
@@ -176,6 +189,9 @@ impl Resyncer {
                 if keep(store.as_ref(), &desync, &did, &ctx).await.is_err() {
                     return;
                 }
+            }
+            if self.reconcile(&desync, store.as_ref(), &ctx, known.as_ref()).await.is_err() {
+                return;
             }
             if self.backfill(&desync, store.as_ref(), &ctx).await.is_err() {
                 return;
@@ -203,6 +219,63 @@ impl Resyncer {
                 Some(_) = tasks.join_next() => {}
             }
         }
+    }
+}
+
+/// The last rev (a TID value) this term handed over of a repo, as far as it remembers.
+pub(crate) type Known = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
+
+impl Resyncer {
+    /// After an accepted gap: asks the next page of the host's `listRepos` (while the queue
+    /// is short) and queues each repo listed at a newer rev than this term handed over of
+    /// it (its commits in the gap were missed; it may have none after). Repos the term
+    /// does not remember are left to their next commit's chain check. A page that fails
+    /// is asked again in 30 s.
+    async fn reconcile(
+        &self,
+        desync: &Desync,
+        store: &dyn checkpoint::CursorStore,
+        ctx: &BatchCtx,
+        known: Option<&Known>,
+    ) -> Result<(), crate::handler::HandlerError> {
+        let (Some(host), Some(known)) = (&self.opts.reconcile_host, known) else { return Ok(()) };
+        let Some(at) = desync.reconcile() else { return Ok(()) };
+        if desync.queued() >= BACKFILL_BATCH
+            || self.reconcile_after.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t))
+        {
+            return Ok(());
+        }
+        if at.cursor.is_none() {
+            tracing::info!(
+                why = at.why,
+                "accepted gap: comparing the repos handed over with the host's listRepos revs"
+            );
+        }
+        let page = match repo_sync::list::list_repos(&self.client, host, at.cursor.as_deref()).await {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(error = %why, "gap reconcile: listing the host's repos failed; asking again in 30 s");
+                if let Ok(mut t) = self.reconcile_after.lock() {
+                    *t = Some(std::time::Instant::now() + Duration::from_secs(30));
+                }
+                return Ok(());
+            }
+        };
+        let mut queued = 0;
+        for r in &page.active {
+            let listed = r.rev.as_deref().and_then(crate::chain::tid);
+            let moved = listed.zip(known(&r.did)).is_some_and(|(listed, last)| listed > last);
+            if moved && desync.mark_new(&r.did, reason::GAP) {
+                keep(store, desync, &r.did, ctx).await?;
+                queued += 1;
+            }
+        }
+        // A host answering the cursor it was asked with again ends the listing (no loop).
+        let next = page.cursor.filter(|c| !page.empty && at.cursor.as_ref() != Some(c));
+        let done = next.is_none();
+        desync.reconciled(at.generation, next);
+        tracing::info!(queued, listed = page.active.len(), done, "gap reconcile: a page of the host's repos compared");
+        Ok(())
     }
 }
 
@@ -290,9 +363,9 @@ impl Resyncer {
             }
         };
         let mut queued = 0;
-        for did in &page.active {
-            if desync.mark_new(did, reason::BACKFILL) {
-                keep(store, desync, did, ctx).await?;
+        for r in &page.active {
+            if desync.mark_new(&r.did, reason::BACKFILL) {
+                keep(store, desync, &r.did, ctx).await?;
                 queued += 1;
             }
         }

@@ -292,6 +292,21 @@ pub struct Desync {
     pub(crate) meter: crate::progress::Meter,
     /// The backfill set: the DID list's length, and whether a host's listing runs.
     plan: Mutex<(usize, bool)>,
+    /// The reconcile after an accepted gap, while its listing runs (see [`Reconcile`]).
+    reconcile: Mutex<Option<Reconcile>>,
+}
+
+/// Where the reconcile after an accepted gap stands: the repos this term handed over are
+/// compared, a page at a time, with the host's `listRepos` revs. Held in memory only: what
+/// it compares with (the term's memory of revs) dies with the term too.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reconcile {
+    /// Bumped by each gap: a listing that a newer gap restarted does not write over it.
+    pub(crate) generation: u64,
+    /// Why (`outdated_cursor`, `future_cursor`, `switch`).
+    pub(crate) why: &'static str,
+    /// The page after this cursor is next (`None`: the first).
+    pub(crate) cursor: Option<String>,
 }
 
 /// What an operator's resync request did.
@@ -737,6 +752,37 @@ impl Desync {
             }
         }
         out
+    }
+
+    /// A gap was accepted (`why`): with repo sync, the reconcile (re)starts from the
+    /// listing's first page (the repos that moved in an earlier gap are still found).
+    pub(crate) fn gap_accepted(&self, why: &'static str) {
+        if !self.resyncs() {
+            return;
+        }
+        if let Ok(mut r) = self.reconcile.lock() {
+            let generation = r.as_ref().map_or(0, |r| r.generation) + 1;
+            *r = Some(Reconcile { generation, why, cursor: None });
+        }
+        self.queued.notify_one();
+    }
+
+    /// The reconcile's next page, while one runs.
+    pub(crate) fn reconcile(&self) -> Option<Reconcile> {
+        self.reconcile.lock().ok()?.clone()
+    }
+
+    /// The reconcile of `generation` listed a page: `next` is the following page's cursor
+    /// (`None`: it is done). A newer gap's reconcile is left as it is.
+    pub(crate) fn reconciled(&self, generation: u64, next: Option<String>) {
+        if let Ok(mut r) = self.reconcile.lock()
+            && r.as_ref().is_some_and(|r| r.generation == generation)
+        {
+            match next {
+                Some(c) => r.as_mut().expect("checked").cursor = Some(c),
+                None => *r = None,
+            }
+        }
     }
 
     /// Notes the backfill set (for the progress): the DID list's length, and whether a

@@ -75,6 +75,8 @@ struct Shared {
     connects: AtomicU64,
     open: AtomicU64,
     cursors: Mutex<Vec<Option<u64>>>,
+    /// The oldest seq kept after [`SimHandle::trim`] (0: none trimmed).
+    trimmed: AtomicU64,
 }
 
 /// A running simulated relay.
@@ -264,6 +266,7 @@ impl RelaySim {
             connects: AtomicU64::new(0),
             open: AtomicU64::new(0),
             cursors: Mutex::new(Vec::new()),
+            trimmed: AtomicU64::new(0),
         });
         let handle = SimHandle { shared: shared.clone() };
         if let Some(rate) = cfg.rate.filter(|&r| r > 0) {
@@ -398,6 +401,12 @@ impl SimHandle {
         }
     }
 
+    /// Drops the events before `seq` from the backfill window, as a relay that trimmed its
+    /// log (or restarted with less) would: an older cursor then gets `OutdatedCursor`.
+    pub fn trim(&self, seq: u64) {
+        self.shared.trimmed.fetch_max(seq, Ordering::SeqCst);
+    }
+
     /// Connections accepted so far.
     #[must_use]
     pub fn connects(&self) -> u64 {
@@ -487,7 +496,7 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
             None => Start::At(h),
             Some(c) if c > head_seq => Start::Future,
             Some(c) => {
-                let mut window = shared.cfg.window_start.unwrap_or(0);
+                let mut window = shared.cfg.window_start.unwrap_or(0).max(shared.trimmed.load(Ordering::SeqCst));
                 if let Some(n) = shared.cfg.window_len
                     && h > n
                 {

@@ -12,11 +12,21 @@ const PAGE_TIMEOUT: Duration = Duration::from_mins(1);
 /// The largest page body read.
 const PAGE_MAX: usize = 16 << 20;
 
+/// A repo a listing names as active.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// Its DID.
+    pub did: String,
+    /// Its current rev, when the host says (`listRepos` does; `listReposByCollection`
+    /// does not): what a reconcile compares with the last rev handed over.
+    pub rev: Option<String>,
+}
+
 /// One page of `com.atproto.sync.listRepos`.
 #[derive(Debug)]
 pub struct ListPage {
-    /// The active repos' DIDs.
-    pub active: Vec<String>,
+    /// The active repos.
+    pub active: Vec<Listed>,
     /// Repos listed inactive (skipped).
     pub inactive: usize,
     /// The next page's cursor.
@@ -87,7 +97,9 @@ async fn page(
     let (mut active, mut inactive) = (Vec::with_capacity(repos.len()), 0);
     for r in repos {
         match r["did"].as_str() {
-            Some(did) if r["active"] != false && did.starts_with("did:") => active.push(did.to_owned()),
+            Some(did) if r["active"] != false && did.starts_with("did:") => {
+                active.push(Listed { did: did.to_owned(), rev: r["rev"].as_str().map(str::to_owned) });
+            }
             _ => inactive += 1,
         }
     }

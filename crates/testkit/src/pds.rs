@@ -190,9 +190,6 @@ where
 /// small, so that a listing of the nine reference repos takes several pages.
 pub const LIST_PAGE: usize = 3;
 
-/// A `com.atproto.sync.listRepos` page of the served repos in DID order: those after the
-/// request's `cursor` (the last DID of the previous page), [`LIST_PAGE`] at most, each
-/// `active`; the last page has no cursor.
 /// The answer to a listing request (`listRepos`, `listReposByCollection`), if `line` is one.
 fn listing<S: std::hash::BuildHasher>(serve: &HashMap<String, String, S>, line: &str) -> Option<String> {
     if line.contains("/xrpc/com.atproto.sync.listReposByCollection") {
@@ -202,6 +199,9 @@ fn listing<S: std::hash::BuildHasher>(serve: &HashMap<String, String, S>, line: 
     line.contains("/xrpc/com.atproto.sync.listRepos").then(|| list_page(serve, line, None))
 }
 
+/// A `com.atproto.sync.listRepos` page of the served repos in DID order: those after the
+/// request's `cursor` (the last DID of the previous page), [`LIST_PAGE`] at most, each
+/// `active` with its `rev` and `head`; the last page has no cursor.
 fn list_page<S: std::hash::BuildHasher>(
     serve: &HashMap<String, String, S>,
     line: &str,
@@ -214,12 +214,35 @@ fn list_page<S: std::hash::BuildHasher>(
         .collect();
     dids.sort();
     let page: Vec<&String> = dids.iter().take(LIST_PAGE).copied().collect();
-    let repos: Vec<serde_json::Value> = page.iter().map(|d| serde_json::json!({ "did": d, "active": true })).collect();
+    let heads = heads();
+    let repos: Vec<serde_json::Value> = page
+        .iter()
+        .map(|d| {
+            let mut r = serde_json::json!({ "did": d, "active": true });
+            // A repo served as a reference repo lists that repo's rev and commit.
+            if let Some((rev, head)) = serve.get(*d).and_then(|s| heads.get(s)) {
+                r["rev"] = rev.as_str().into();
+                r["head"] = head.as_str().into();
+            }
+            r
+        })
+        .collect();
     let mut v = serde_json::json!({ "repos": repos });
     if dids.len() > LIST_PAGE {
         v["cursor"] = serde_json::Value::String(page.last().map(|d| (*d).clone()).unwrap_or_default());
     }
     v.to_string()
+}
+
+/// Each reference repo's rev and commit CID (`repos.json`): what `listRepos` says of it.
+fn heads() -> &'static HashMap<String, (String, String)> {
+    static HEADS: std::sync::OnceLock<HashMap<String, (String, String)>> = std::sync::OnceLock::new();
+    HEADS.get_or_init(|| {
+        let text = std::fs::read_to_string(repos_dir().join("repos.json")).expect("repos.json");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let field = |r: &serde_json::Value, k: &str| r[k].as_str().expect(k).to_owned();
+        v.as_array().expect("array").iter().map(|r| (field(r, "did"), (field(r, "rev"), field(r, "commit")))).collect()
+    })
 }
 
 /// The reference repos holding records of `collection` (`repos.json`'s `perCollection`):

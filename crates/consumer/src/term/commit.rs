@@ -205,6 +205,7 @@ impl Leader<'_, '_> {
                 "accepted gap (future-cursor policy `live`): events after the rejected cursor that the relay no \
                  longer numbers that way are skipped; the stored cursor is rewound to just before the first live seq"
             );
+            self.gap_accepted("future_cursor");
         }
         self.reset_cursor(seq.saturating_sub(1)).await
     }

@@ -48,6 +48,14 @@ fn on_notice(cx: &Ctx<'_>, n: &Notice) {
 }
 
 impl Leader<'_, '_> {
+    /// A gap was accepted (`why`): the repos this term handed over are reconciled against
+    /// the host's listing (none handed over yet: nothing to compare, nothing asked).
+    pub(super) fn gap_accepted(&self, why: &'static str) {
+        if self.memory.as_ref().is_some_and(|m| m.repos() > 0) {
+            self.cx.status.desync().gap_accepted(why);
+        }
+    }
+
     /// One item from the subscription.
     pub(super) async fn on_item(&mut self, item: Result<relay_client::Item, SubscribeError>) -> Result<(), Stop> {
         match item {
@@ -56,6 +64,10 @@ impl Leader<'_, '_> {
                 on_notice(self.cx, &n);
                 match n {
                     Notice::WentLive { rejected, .. } => self.went_live(rejected).await,
+                    Notice::OutdatedCursor { .. } => {
+                        self.gap_accepted("outdated_cursor");
+                        Ok(())
+                    }
                     _ => Ok(()),
                 }
             }

@@ -26,11 +26,20 @@ impl Drop for ResyncRun {
     }
 }
 
-/// Starts the term's resync worker, when repo sync runs.
-pub(super) fn start(cx: &super::Ctx<'_>, ctx: crate::handler::BatchCtx) -> Option<ResyncRun> {
+/// Starts the term's resync worker, when repo sync runs; `memory` (with `lanes` shards)
+/// answers what the term handed over, for the reconcile after a gap.
+pub(super) fn start(
+    cx: &super::Ctx<'_>,
+    ctx: crate::handler::BatchCtx,
+    memory: Option<std::sync::Arc<crate::continuity::Memory>>,
+    lanes: usize,
+) -> Option<ResyncRun> {
     let r = cx.shape.resyncer.clone()?;
     let (tx, ready) = mpsc::channel(16);
-    let task = tokio::spawn(r.run(cx.status.desync(), cx.shape.store.clone(), ctx, tx));
+    let known = memory.map(|m| -> crate::resync::Known {
+        std::sync::Arc::new(move |did| m.last_commit(crate::pipeline::lane_of(Some(did), lanes), did))
+    });
+    let task = tokio::spawn(r.run(cx.status.desync(), cx.shape.store.clone(), ctx, tx, known));
     Some(ResyncRun { ready, task })
 }
 

@@ -216,6 +216,7 @@ async fn start<'a, 'c>(cx: &'a Ctx<'c>, term: Term) -> Result<Leader<'a, 'c>, St
         inactive: std::collections::HashSet::new(),
     };
     l.begin(role, cursor);
-    l.resync = super::resync::start(cx, cx.batch_ctx(&l.term, role));
+    let (memory, lanes) = (l.memory.clone(), l.p.lane_count());
+    l.resync = super::resync::start(cx, cx.batch_ctx(&l.term, role), memory, lanes);
     Ok(l)
 }

@@ -154,6 +154,7 @@ impl Leader<'_, '_> {
                      event (gap policy `live`); what it no longer serves is missing"
                 );
                 metrics::counter!(m::GAPS, "reason" => "switch_unplaced").increment(1);
+                self.gap_accepted("switch");
                 return Ok(Ok(Some(0)));
             }
             return Ok(Err(Refusal::Unplaced { to }));
@@ -220,6 +221,7 @@ impl Leader<'_, '_> {
                 let gap = format!("{} relay: events from {needed} to {oldest} are missing", to.as_str());
                 tracing::error!(relay = to.as_str(), from = %needed, to = %oldest, "accepted gap (gap policy `live`) on a relay switch");
                 cx.status.update(|s| s.last_gap = Some(gap));
+                self.gap_accepted("switch");
                 Ok(Ok(Some(cursor)))
             }
             Start::Failed(source) => Ok(Err(Refusal::Probe { to, source })),
