@@ -19,7 +19,11 @@
 //!   `max_payload`) and handed over as `#invalid` (`unstorable`) instead of retried for ever;
 //! - **the downstream refused every write for a while** (a webhook receiver answering 401
 //!   or 400 to everything, Postgres refusing the sink's role): every event is stored as
-//!   itself, nothing is taken for a bad record.
+//!   itself, nothing is taken for a bad record;
+//! - **a repo repaired from its PDS** (chain breaks; the large repo's 20,000 records in five
+//!   parts, the webhook's receiver dying in the middle of them): folding what the
+//!   downstream holds gives every repo's reference records (Postgres: its records table,
+//!   in `resync_e2e`).
 //!
 //! What each sink promises (README, "Sinks"): Postgres and JetStream store each event
 //! once; jsonl and the webhook at least once (a crash repeats what the last commit did
@@ -67,6 +71,9 @@ enum HookMode {
     Answer(u16),
     /// Every request is kept and answered 200 only after 1.5 s (past the sink's timeout).
     Slow,
+    /// The next this many requests that carry snapshot records of this repo are dropped
+    /// unanswered (a receiver that died in the middle of its snapshot), then `Up`.
+    DropRecords(&'static str, u32),
 }
 
 /// A webhook receiver that keeps the bodies it accepted.
@@ -93,6 +100,11 @@ impl Hook {
                         let mode = *m.lock().expect("mode");
                         let status = match mode {
                             HookMode::Down => return,
+                            HookMode::DropRecords(did, n) if body.contains("\"#record\"") && body.contains(did) => {
+                                let next = if n > 1 { HookMode::DropRecords(did, n - 1) } else { HookMode::Up };
+                                *m.lock().expect("mode") = next;
+                                return;
+                            }
                             HookMode::Refuse(seq) if holds_itself(&body, seq) => "400 Bad Request".into(),
                             HookMode::Answer(code) => format!("{code} Refused"),
                             HookMode::Slow => {
@@ -208,6 +220,42 @@ impl Downstream {
             }
             Sink::JsonlFile | Sink::JsonlStdout | Sink::Null => {}
         }
+    }
+
+    /// Every event the downstream holds, as JSON, in the order it was stored (jsonl, the
+    /// webhook and JetStream: what a downstream folds).
+    async fn events(&self) -> Vec<serde_json::Value> {
+        let lines = |text: &str| -> Vec<serde_json::Value> {
+            text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON")["event"].clone()).collect()
+        };
+        match self.sink {
+            Sink::JsonlFile | Sink::JsonlStdout => lines(&std::fs::read_to_string(self.out()).unwrap_or_default()),
+            Sink::Webhook => lines(&self.hook.as_ref().expect("hook").bodies.lock().expect("bodies").concat()),
+            Sink::JetStream => {
+                let s = self.jetstream().await;
+                let last = s.get_info().await.expect("info").state.last_sequence;
+                let mut out = Vec::new();
+                for i in 1..=last {
+                    let Ok(m) = s.get_raw_message(i).await else { continue };
+                    out.push(serde_json::from_slice(&m.payload).expect("JSON body"));
+                }
+                out
+            }
+            Sink::Postgres | Sink::Null => unreachable!("{:?} keeps no order to fold", self.sink),
+        }
+    }
+
+    /// The sink's JetStream stream.
+    async fn jetstream(&self) -> nats_op::async_nats::jetstream::stream::Stream {
+        let cfg = nats_op::NatsConfig {
+            url: self.nats.as_ref().expect("nats").url(),
+            creds_file: None,
+            ca_file: None,
+            token: None,
+            op_timeout: Duration::from_secs(5),
+        };
+        let n = nats_op::Nats::connect(&cfg).await.expect("connect");
+        n.jetstream().get_stream("FIREKEEPER").await.expect("the stream")
     }
 
     /// Every event the downstream holds.
@@ -528,6 +576,62 @@ async fn a_record_the_downstream_cannot_store(sink: Sink) {
     assert_holds(sink, &down.stored().await, &want);
 }
 
+/// A repo repaired from its PDS: the chain-break capture (commits of two repos taken out)
+/// with a local PDS serving every repo's final state; the large repo (20,000 records)
+/// reaches the sink as a `#resync` and five parts of records. Folding what the downstream
+/// holds gives every repo's reference records. The webhook's receiver drops the first two
+/// requests that carry the large repo's records (it died in the middle of the snapshot):
+/// the parts are written again, none is lost.
+async fn a_repo_repaired_from_its_pds(sink: Sink) {
+    let dir = tmpdir(&format!("contract-resync-{sink:?}"));
+    let frames =
+        relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
+    let last = frames.iter().filter_map(|f| relay_sim::frame_seq(f)).max().expect("a seq");
+    let every: std::collections::HashMap<String, String> =
+        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
+    let pds = testkit::pds::start(every).await;
+    let plc = testkit::plc::Plc::start(testkit::pds::docs(&pds)).await;
+    let relay = RelaySim::start(frames).await.expect("sim");
+    let down = Downstream::start(sink, &dir).await;
+    if let Some(h) = &down.hook {
+        h.set(HookMode::DropRecords("did:plc:d255tkvufzfkpckokc332in6", 2));
+    }
+    let plc_url = plc.url();
+    let run = Run::start(
+        &relay,
+        &down,
+        &[
+            ("FIREKEEPER_PLC_URL", &plc_url),
+            ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true"),
+            ("FIREKEEPER_RESYNC", "true"),
+        ],
+    );
+    eventually("the stream committed and both broken repos resynchronised", WAIT, async || {
+        let v = run.status().await;
+        let Some((200, metrics)) = http_get(&run.http, "/metrics").await else { return false };
+        let done = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("firekeeper_resyncs_total{outcome=\"done\",reason=\"chain\"} "))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        v["committed"].as_u64() == Some(last) && v["desynchronized"] == 0 && done >= 2
+    })
+    .await;
+    run.stop();
+    if sink == Sink::Null {
+        return;
+    }
+    let mut folded = testkit::fold::Folded::new();
+    for e in down.events().await {
+        testkit::fold::apply(&mut folded, &e);
+    }
+    for (did, (count, digest)) in testkit::fold::reference() {
+        let got = folded.get(&did).cloned().unwrap_or_default();
+        assert_eq!(got.len() as u64, count, "{sink:?} {did}: record count");
+        assert_eq!(testkit::fold::digest(&got), digest, "{sink:?} {did}: records");
+    }
+}
+
 macro_rules! contract {
     ($($name:ident: $scenario:ident($($arg:expr),*);)*) => {
         $(
@@ -565,4 +669,9 @@ contract! {
     huge_webhook: a_huge_record(Sink::Webhook);
     huge_postgres: a_huge_record(Sink::Postgres);
     huge_jetstream: a_huge_record(Sink::JetStream);
+    repaired_jsonl_file: a_repo_repaired_from_its_pds(Sink::JsonlFile);
+    repaired_jsonl_stdout: a_repo_repaired_from_its_pds(Sink::JsonlStdout);
+    repaired_webhook: a_repo_repaired_from_its_pds(Sink::Webhook);
+    repaired_jetstream: a_repo_repaired_from_its_pds(Sink::JetStream);
+    repaired_null: a_repo_repaired_from_its_pds(Sink::Null);
 }
