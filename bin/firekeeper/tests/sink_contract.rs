@@ -74,6 +74,9 @@ enum HookMode {
     /// The next this many requests that carry snapshot records of this repo are dropped
     /// unanswered (a receiver that died in the middle of its snapshot), then `Up`.
     DropRecords(&'static str, u32),
+    /// Requests that carry snapshot records of this repo are kept and answered only
+    /// after this many ms (a slow downstream for one giant repo).
+    SlowRecords(&'static str, u64),
 }
 
 /// A webhook receiver that keeps the bodies it accepted.
@@ -100,6 +103,11 @@ impl Hook {
                         let mode = *m.lock().expect("mode");
                         let status = match mode {
                             HookMode::Down => return,
+                            HookMode::SlowRecords(did, ms) if body.contains("\"#record\"") && body.contains(did) => {
+                                b.lock().expect("bodies").push(body);
+                                tokio::time::sleep(Duration::from_millis(ms)).await;
+                                "200 OK".into()
+                            }
                             HookMode::DropRecords(did, n) if body.contains("\"#record\"") && body.contains(did) => {
                                 let next = if n > 1 { HookMode::DropRecords(did, n - 1) } else { HookMode::Up };
                                 *m.lock().expect("mode") = next;
@@ -629,6 +637,94 @@ async fn a_repo_repaired_from_its_pds(sink: Sink) {
         let got = folded.get(&did).cloned().unwrap_or_default();
         assert_eq!(got.len() as u64, count, "{sink:?} {did}: record count");
         assert_eq!(testkit::fold::digest(&got), digest, "{sink:?} {did}: records");
+    }
+}
+
+/// A giant repo's snapshot holds back only its own repo: with one lane for every repo
+/// and a webhook that takes 25 ms for each request of the large repo's records (its five
+/// parts take some 200 requests), events of another repo published while they are written
+/// reach the webhook before the last of them does (written beside the lane; in it, they
+/// waited for the whole snapshot).
+/// The fold still equals every repo's reference records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_giant_snapshot_holds_back_only_its_own_repo() {
+    const LARGE: &str = "did:plc:d255tkvufzfkpckokc332in6";
+    let dir = tmpdir("contract-beside");
+    let frames =
+        relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
+    let first = frames[0].clone();
+    let every: std::collections::HashMap<String, String> =
+        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
+    let pds = testkit::pds::start(every).await;
+    let plc = testkit::plc::Plc::start(testkit::pds::docs(&pds)).await;
+    let relay = RelaySim::start(frames).await.expect("sim");
+    let down = Downstream::start(Sink::Webhook, &dir).await;
+    let hook = down.hook.as_ref().expect("hook");
+    hook.set(HookMode::SlowRecords(LARGE, 25));
+    let plc_url = plc.url();
+    let run = Run::start(
+        &relay,
+        &down,
+        &[
+            ("FIREKEEPER_PLC_URL", &plc_url),
+            ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true"),
+            ("FIREKEEPER_RESYNC", "true"),
+            ("FIREKEEPER_LANES", "1"),
+        ],
+    );
+    let large_records = || {
+        let b = hook.bodies.lock().expect("bodies");
+        b.iter().filter(|x| x.contains("\"#record\"") && x.contains(LARGE)).count()
+    };
+    let holds = |seq: &str| hook.bodies.lock().expect("bodies").iter().any(|b| b.contains(seq));
+    eventually("the large repo's first records at the webhook", WAIT, async || large_records() >= 1).await;
+    // Ten events of another repo (the capture's first identity event, numbered after it),
+    // and between them three identity events of the large repo itself.
+    for seq in 509..519 {
+        let frame = if [511, 514, 517].contains(&seq) {
+            relay_sim::identity_frame(seq, LARGE, "2025-11-23T10:00:00.000Z")
+        } else {
+            relay_sim::with_seq(&first, seq).expect("renumbered")
+        };
+        relay.handle().publish(frame);
+    }
+    eventually("the other repo's later events at the webhook", WAIT, async || holds("\"seq\":518")).await;
+    let parts_then = large_records();
+    // The large repo's own events are held back until its snapshot lands, and the cursor
+    // with them.
+    assert!(!holds("\"seq\":511,"), "an event of the repo went ahead of its snapshot");
+    let committed = run.status().await["committed"].as_u64();
+    assert!(committed < Some(511), "the cursor passed an event held back: {committed:?}");
+    eventually("the stream committed and the large repo resynchronised", WAIT, async || {
+        let v = run.status().await;
+        v["committed"].as_u64() == Some(518) && v["desynchronized"] == 0
+    })
+    .await;
+    run.stop();
+    let all = large_records();
+    assert!(all >= 5, "the large repo's record requests: {all}");
+    assert!(
+        parts_then < all,
+        "the later events waited for the whole snapshot ({parts_then} of {all} record requests first)"
+    );
+    // Held back, then handed over after the snapshot, in order.
+    let order: Vec<usize> = {
+        let b = hook.bodies.lock().expect("bodies");
+        let last_record = b.iter().rposition(|x| x.contains("\"#record\"") && x.contains(LARGE)).expect("records");
+        [511, 514, 517]
+            .iter()
+            .map(|s| b.iter().position(|x| x.contains(&format!("\"seq\":{s},"))).expect("delivered"))
+            .inspect(|i| assert!(*i > last_record, "held events go after the snapshot"))
+            .collect()
+    };
+    assert!(order.is_sorted(), "held events in order: {order:?}");
+    let mut folded = testkit::fold::Folded::new();
+    for e in down.events().await {
+        testkit::fold::apply(&mut folded, &e);
+    }
+    for (did, (count, digest)) in testkit::fold::reference() {
+        let got = folded.get(&did).cloned().unwrap_or_default();
+        assert_eq!((got.len() as u64, testkit::fold::digest(&got)), (count, digest), "{did}");
     }
 }
 

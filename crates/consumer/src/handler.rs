@@ -398,6 +398,28 @@ pub struct BatchCtx {
     pub cancel: CancellationToken,
     /// The term itself: nothing may be written once its deadline has passed.
     pub term: Term,
+    /// Set while the lane holds events back behind a snapshot written beside it.
+    pub cursor_hold: CursorHold,
+}
+
+/// Whether a lane holds events back (a repo's, behind its snapshot being written beside the
+/// lane): a handler that commits the cursor in its own transaction
+/// ([`Handler::commits_cursor`]) must not move it then, since the batches it writes meanwhile
+/// do not hold every event before their last seq. Shared by the clones of a [`BatchCtx`].
+#[derive(Debug, Clone, Default)]
+pub struct CursorHold(Arc<std::sync::atomic::AtomicBool>);
+
+impl CursorHold {
+    /// True while events are held back: write, fenced, but do not move the cursor.
+    #[must_use]
+    pub fn is_held(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sets or clears the hold (the consumer's lanes do; tests of a handler may).
+    pub fn set(&self, on: bool) {
+        self.0.store(on, std::sync::atomic::Ordering::Release);
+    }
 }
 
 impl BatchCtx {

@@ -81,7 +81,7 @@ pub use crate::chain::{ChainBreak, ChainBreaks};
 pub use crate::continuity::GapPolicy;
 pub use crate::deployment::Deployment;
 pub use crate::error::{Error, Fatal};
-pub use crate::handler::{BatchCtx, CollectionFilter, Event, Handler, HandlerError, Pending, Snapshot};
+pub use crate::handler::{BatchCtx, CollectionFilter, CursorHold, Event, Handler, HandlerError, Pending, Snapshot};
 pub use crate::options::{Options, Start};
 pub use crate::resync::ResyncOptions;
 pub use crate::run::Consumer;

@@ -45,6 +45,31 @@ pub(crate) struct Staged {
     done: SnapshotDone,
 }
 
+/// Events of the repo whose snapshot is being written that a lane holds back (in order,
+/// delivered after the snapshot); past this, the lane takes nothing more until it lands.
+const HOLD_MAX: usize = 4_096;
+
+/// Events the window holds beyond the lanes' own, with repo sync: what the other repos
+/// finish while a snapshot is written beside a lane (16 bytes each in the window).
+const BESIDE_WINDOW: usize = 1 << 16;
+
+/// A snapshot written beside its lane: the lane goes on with other repos' events and
+/// holds back its repo's until the snapshot lands.
+struct Beside<'a> {
+    did: String,
+    held: VecDeque<Event>,
+    /// The snapshot's write; `false` when the lane must stop.
+    write: std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'a>>,
+}
+
+/// The snapshot written beside the lane finishing; never resolves when there is none.
+async fn beside_lands(b: &mut Option<Beside<'_>>) -> bool {
+    match b {
+        Some(b) => b.write.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Retries of a failed batch: 100 ms doubling to 10 s, jittered.
 const RETRY: BackoffConfig = BackoffConfig { initial: Duration::from_millis(100), max: Duration::from_secs(10) };
 
@@ -161,7 +186,10 @@ impl Pipeline {
         // Every lane holds at most `queue_depth` queued events, the batch it is writing
         // and what it wrote ahead; the window also keeps finished events behind an
         // unfinished one. Intake waits while the window is full, whatever fills it.
-        let capacity = lanes_n * (shape.queue_depth.div_ceil(CHUNK) * CHUNK + CHUNK + batch_max + write_ahead);
+        // With repo sync, a snapshot written beside a lane lets the others go on: the
+        // window then also holds what they finish behind the snapshot's held events.
+        let beside = if shape.resyncer.is_some() { BESIDE_WINDOW } else { 0 };
+        let capacity = lanes_n * (shape.queue_depth.div_ceil(CHUNK) * CHUNK + CHUNK + batch_max + write_ahead) + beside;
         Self {
             staged: (0..lanes.len()).map(|_| Vec::with_capacity(CHUNK)).collect(),
             sent: vec![0; lanes.len()],
@@ -430,20 +458,30 @@ impl Lane {
         let mut taken: u64 = 0;
         let mut staged: Option<Staged> = None;
         let mut snapshots_open = true;
+        // The snapshot being written beside the lane, and the queue having closed.
+        let mut beside: Option<Beside<'_>> = None;
+        let mut closed = false;
         loop {
-            if staged.as_ref().is_some_and(|s| s.after <= taken) {
+            let turn = staged.as_ref().is_some_and(|s| s.after <= taken);
+            if turn && beside.is_none() {
                 let s = staged.take().expect("a staged snapshot");
                 // Everything of the lane before it is durable first.
                 w.held = 0;
                 if !self.drain(&mut w.inflight, &done).await {
                     return;
                 }
-                if !self.snapshot(s, &done).await {
-                    return;
-                }
+                self.ctx.cursor_hold.set(true);
+                let did = s.snapshot.did().to_owned();
+                beside = Some(Beside { did, held: VecDeque::new(), write: Box::pin(self.snapshot(s, &done)) });
                 continue;
             }
-            let room = w.inflight.is_empty() || w.held < ahead;
+            if closed && carry.is_empty() && beside.is_none() {
+                break;
+            }
+            // A second snapshot's turn waits for the first to land; so does a full hold.
+            let held_full = beside.as_ref().is_some_and(|b| b.held.len() >= HOLD_MAX);
+            let room =
+                (w.inflight.is_empty() || w.held < ahead) && !turn && !held_full && !(closed && carry.is_empty());
             let limit = staged.as_ref().map_or(usize::MAX, |s| usize::try_from(s.after - taken).unwrap_or(usize::MAX));
             tokio::select! {
                 biased;
@@ -454,22 +492,46 @@ impl Lane {
                         return;
                     }
                 }
+                ok = beside_lands(&mut beside) => {
+                    let b = beside.take().expect("a snapshot beside");
+                    if !ok {
+                        return;
+                    }
+                    // Its repo's events go on, before any later one of it.
+                    for e in b.held.into_iter().rev() {
+                        carry.push_front(e);
+                    }
+                    self.ctx.cursor_hold.set(false);
+                }
                 s = snapshots.recv(), if staged.is_none() && snapshots_open => match s {
                     Some(s) => staged = Some(s),
                     None => snapshots_open = false,
                 },
                 chunk = recv_after(&mut carry, &mut rx), if room => {
-                    let Some(chunk) = chunk else { break };
+                    let Some(chunk) = chunk else {
+                        closed = true;
+                        continue;
+                    };
                     carry.extend(chunk);
                     let mut batch = self.next_batch(&mut carry, &mut rx, limit);
                     taken += batch.len() as u64;
+                    if let Some(b) = &mut beside {
+                        let (held, rest): (Vec<Event>, Vec<Event>) =
+                            batch.into_iter().partition(|e| e.did() == Some(b.did.as_str()));
+                        b.held.extend(held);
+                        batch = rest;
+                        if batch.is_empty() {
+                            continue;
+                        }
+                    }
                     let mut seqs: Vec<u64> = Vec::new();
                     let Some(stop) = self.prepare(&mut batch, &mut seqs, &mut scratch, &done).await else { return };
                     if !self.submit_batch(batch, seqs, &mut w, &mut scratch, &done).await {
                         return;
                     }
                     if let Some(s) = stop {
-                        // Everything before the invalid event is handed over first.
+                        // Everything before the invalid event is handed over first (the
+                        // cursor stops before it, and before any event held back).
                         if !self.drain(&mut w.inflight, &done).await {
                             return;
                         }

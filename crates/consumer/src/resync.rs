@@ -14,7 +14,9 @@
 //!                          │ no: staged in the repo's lane; later events at or below its
 //!                          │     rev are dropped (it covers them)
 //!                          ▼
-//!   lane: earlier writes durable, then the snapshot ─▶ synchronised (entry cleared)
+//!   lane: earlier writes durable, then the snapshot written beside the lane (the
+//!         lane goes on with other repos; the repo's own events are held back) ─▶
+//!         synchronised (entry cleared), the held events handed over after it
 //! ```
 //!
 //! The queue is the desync list ([`Desync`]): each entry's state is written to the cursor

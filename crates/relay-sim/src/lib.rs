@@ -227,6 +227,15 @@ pub fn sync_frame(seq: u64, did: &str, rev: &str, time: &str) -> Bytes {
     Bytes::from(w.buf)
 }
 
+/// An `#identity` frame: `did` at `time`, no handle.
+#[must_use]
+pub fn identity_frame(seq: u64, did: &str, time: &str) -> Bytes {
+    let mut w = Writer::new();
+    w.map(2).str("t").str("#identity").str("op").int(1);
+    w.map(3).str("did").str(did).str("seq").int(i64::try_from(seq).unwrap_or(i64::MAX)).str("time").str(time);
+    Bytes::from(w.buf)
+}
+
 /// An `#info` frame.
 #[must_use]
 pub fn info_frame(name: &str, message: &str) -> Bytes {

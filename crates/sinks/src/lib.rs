@@ -568,7 +568,14 @@ async fn pg_write(
     let time = last.time().and_then(atproto_data::time::time_ms);
     let holder = ctx.term.holder();
     let fence = checkpoint::Fence { holder: &holder, token: ctx.token };
-    match PostgresStore::write_in(&tx, checkpoint::Write::advance(&ctx.fingerprint, last.seq(), time), fence).await {
+    // While the lane holds a repo's events back behind its snapshot, this batch does not
+    // hold every event before its last seq: fenced, but the cursor stays.
+    let written = if ctx.cursor_hold.is_held() {
+        PostgresStore::fence_in(&tx, fence).await
+    } else {
+        PostgresStore::write_in(&tx, checkpoint::Write::advance(&ctx.fingerprint, last.seq(), time), fence).await
+    };
+    match written {
         Ok(CommitOutcome::Fenced { .. }) => {
             let _ = tx.rollback().await;
             Err(HandlerError::Fenced)

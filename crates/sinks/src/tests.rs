@@ -22,6 +22,7 @@ async fn term_with(clock: Arc<OffsetClock>, dir: &std::path::Path) -> (lease::Le
         fingerprint: "fp".into(),
         cancel: term.cancellation(),
         term,
+        cursor_hold: consumer::CursorHold::default(),
     };
     (h, ctx)
 }
@@ -331,6 +332,33 @@ async fn the_postgres_sink_stores_new_events_under_old_seqs_and_not_a_replay_twi
     assert_eq!(count().await, 50, "a replay is not stored twice");
     sink.handle(&renumbered(100, 50, 1), &ctx).await.expect("renumbered");
     assert_eq!(count().await, 100, "new events under old seqs are stored");
+    lease.abandon().await;
+}
+
+/// While a lane holds a repo's events back behind its snapshot (written beside the lane),
+/// the batches it writes do not hold every event before their last seq: the Postgres sink
+/// writes them, fenced, and leaves the cursor where it was; once the hold is over the next
+/// batch moves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_sink_leaves_the_cursor_while_the_lane_holds_events_back() {
+    let pg = testkit::PgServer::start();
+    let dir = testkit::tmpdir("sink-pg-hold");
+    let (lease, ctx) = term_with(Arc::new(OffsetClock::default()), &dir).await;
+    let sink = Postgres::connect(&pg.url()).await.expect("pg");
+    let db = pg_client(&pg).await;
+    let cursor = async || -> i64 {
+        db.query_one("SELECT cursor FROM firekeeper_cursors WHERE relay = 'fp'", &[]).await.expect("cursor").get(0)
+    };
+    let rows =
+        async || -> i64 { db.query_one("SELECT count(*) FROM firekeeper_events", &[]).await.expect("count").get(0) };
+    sink.handle(&renumbered(0, 10, 1), &ctx).await.expect("written");
+    assert_eq!(cursor().await, 10);
+    ctx.cursor_hold.set(true);
+    sink.handle(&renumbered(10, 10, 11), &ctx).await.expect("written while held");
+    assert_eq!((rows().await, cursor().await), (20, 10), "written, the cursor left");
+    ctx.cursor_hold.set(false);
+    sink.handle(&renumbered(20, 10, 21), &ctx).await.expect("written");
+    assert_eq!(cursor().await, 30);
     lease.abandon().await;
 }
 

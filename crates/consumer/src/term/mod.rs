@@ -91,6 +91,7 @@ impl Ctx<'_> {
             fingerprint: self.url(role).fingerprint().to_owned(),
             cancel: term.cancellation(),
             term: term.clone(),
+            cursor_hold: crate::handler::CursorHold::default(),
         }
     }
 
