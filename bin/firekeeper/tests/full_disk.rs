@@ -109,3 +109,75 @@ async fn a_full_disk_leaves_no_torn_line_no_duplicate_and_no_hole_and_readyz_say
     assert!(missing.is_empty() && twice.is_empty(), "missing {missing:?}, twice {twice:?}");
     assert_eq!(got.len() as u64, total);
 }
+
+/// A full disk while a repo is spilled: the large repo's CAR (5 MB, past a 1 MiB memory
+/// bound) is written to the data directory, a 2 MiB tmpfs, which fills. That fetch fails
+/// with the error named (no space left), nothing of the repo reaches the sink, its spill
+/// file is removed, and the resync is tried again; once the disk grows, the retry lands
+/// and the fold equals every repo's reference records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_while_a_repo_spills_fails_that_fetch_and_the_retry_lands() {
+    let dir = tmpdir("full-disk-spill");
+    let Some(fs) = Tmpfs::mount(&dir.join("data"), "2m") else {
+        eprintln!("SKIPPED: mounting a tmpfs is not allowed here; the full-disk run needs it");
+        return;
+    };
+    let frames =
+        relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
+    let every: std::collections::HashMap<String, String> =
+        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
+    let pds = testkit::pds::start(every).await;
+    let plc = testkit::plc::Plc::start(testkit::pds::docs(&pds)).await;
+    let sim = RelaySim::start(frames).await.expect("sim");
+    let mut env = base_env(&sim.url(), &dir);
+    let http = format!("127.0.0.1:{}", free_port());
+    let out = dir.join("out.jsonl");
+    env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
+    env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
+    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
+    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
+    env.insert("FIREKEEPER_RESYNC".into(), "true".into());
+    env.insert("FIREKEEPER_SYNC_MEMORY_BYTES".into(), "1048576".into());
+    env.insert("FIREKEEPER_RESYNC_RETRY_MS".into(), "500".into());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    let counted = |metrics: &str, outcome: &str| {
+        let key = format!("firekeeper_resyncs_total{{outcome=\"{outcome}\",reason=\"chain\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    eventually("a fetch failed on the full disk", WAIT, async || {
+        http_get(&http, "/metrics").await.is_some_and(|(_, m)| counted(&m, "failed") >= 1)
+    })
+    .await;
+    let log = std::fs::read_to_string(dir.join("c.log")).expect("log");
+    assert!(log.contains("No space left on device"), "the error is named: {log}");
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    assert!(
+        !text.contains("\"#resync\",\"repo\":\"did:plc:d255tkvufzfkpckokc332in6\""),
+        "nothing of the large repo yet"
+    );
+    fs.resize("64m");
+    eventually("the stream committed and both repos resynchronised", WAIT, async || {
+        let Some((200, body)) = http_get(&http, "/status").await else { return false };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let Some((200, m)) = http_get(&http, "/metrics").await else { return false };
+        v["committed"] == 508 && v["desynchronized"] == 0 && counted(&m, "done") >= 2
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    let left: Vec<_> = std::fs::read_dir(dir.join("data"))
+        .expect("dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".getrepo."))
+        .collect();
+    assert!(left.is_empty(), "spill files left: {left:?}");
+    let folded = testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output"));
+    for (did, (count, digest)) in testkit::fold::reference() {
+        let got = folded.get(&did).cloned().unwrap_or_default();
+        assert_eq!((got.len() as u64, testkit::fold::digest(&got)), (count, digest), "{did}");
+    }
+}

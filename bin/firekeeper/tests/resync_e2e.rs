@@ -601,7 +601,12 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
     let mut serve = every_repo();
     // rsmall2's PDS serves rsmall1's repo: it does not verify as rsmall2's.
     serve.insert(RSMALL2.to_owned(), rsmall1.to_owned());
-    let faults = HashMap::from([(RLARGE.to_owned(), Fault::RateLimited { times: 1, retry_after_s: 2 })]);
+    // rsmall6's PDS dies half-way through its first answer (its commit at seq 52 removed).
+    let rsmall6 = "did:plc:qtaboiqadpwydawai3v34mjp";
+    let faults = HashMap::from([
+        (RLARGE.to_owned(), Fault::RateLimited { times: 1, retry_after_s: 2 }),
+        (rsmall6.to_owned(), Fault::DiesHalfway { times: 1 }),
+    ]);
     let base = testkit::pds::start_faulty(serve, HashMap::new(), faults).await;
     // A repo whose PDS does not host it: rsmall5's break (its commit at seq 337 removed).
     let rsmall5 = "did:plc:uv2rvvs7zmya6xu7tosxot4q";
@@ -611,7 +616,8 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
         HashMap::from([(rsmall5.to_owned(), Fault::NotFound)]),
     )
     .await;
-    let frames: Vec<_> = resync_frames().into_iter().filter(|f| relay_sim::frame_seq(f) != Some(337)).collect();
+    let frames: Vec<_> =
+        resync_frames().into_iter().filter(|f| !matches!(relay_sim::frame_seq(f), Some(337 | 52))).collect();
     let dir = tmpdir("resync-faults");
     let World { mut env, addr, out, plc, _relay } = world(&base, frames, &dir).await;
     plc.set_doc(rsmall5, testkit::pds::docs(&gone_base)[rsmall5].clone());
@@ -622,14 +628,15 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
     let state_of = |v: &serde_json::Value, repo: &str| {
         v["repos"].as_array().into_iter().flatten().find(|d| d["repo"] == repo).map(|d| d["state"].clone())
     };
-    eventually("the large repo landed, rsmall2 failed, rsmall5 gone", WAIT, async || {
+    eventually("the large repo and rsmall6 landed, rsmall2 failed, rsmall5 gone", WAIT, async || {
         let Some((200, body)) = http_get(&addr, "/repos/invalid").await else { return false };
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
         let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
         state_of(&v, RLARGE).is_none()
+            && state_of(&v, rsmall6).is_none()
             && state_of(&v, RSMALL2).is_some_and(|s| s == "failed")
             && state_of(&v, rsmall5).is_some_and(|s| s == "gone")
-            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"chain\"} 1\n")
+            && metrics.contains("firekeeper_resyncs_total{outcome=\"done\",reason=\"chain\"} 2\n")
     })
     .await;
     let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
@@ -638,16 +645,20 @@ async fn pds_faults_end_as_gone_waited_out_or_failed() {
     assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"rate_limited\",reason=\"chain\"} 1\n"), "{metrics}");
     assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"invalid\",reason=\"chain\"} 2\n"), "{metrics}");
     assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"gone\",reason=\"chain\"} 1\n"), "{metrics}");
+    // The answer cut short is a failed attempt (retried), never a short repo delivered.
+    assert!(metrics.contains("firekeeper_resyncs_total{outcome=\"failed\",reason=\"chain\"} 1\n"), "{metrics}");
     let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
     assert!(listed.contains(&format!("{RSMALL2} seq 255 chain rev 3n3ykm4kbpt2h failed attempts 2")), "{listed}");
     assert!(listed.contains(&format!("{rsmall5} ")) && listed.contains(" gone attempts 0"), "{listed}");
     let text = std::fs::read_to_string(&out).expect("output");
     let snapshots: Vec<&str> = text.lines().filter(|l| l.contains("\"#resync\"")).collect();
-    assert_eq!(snapshots.len(), 1, "only the large repo's snapshot: {snapshots:?}");
-    assert!(snapshots[0].contains(RLARGE));
+    assert_eq!(snapshots.len(), 2, "the large repo's and rsmall6's snapshots, once each: {snapshots:?}");
     let folded = testkit::fold::jsonl(&text);
-    let (count, digest) = &testkit::fold::reference()[RLARGE];
-    assert_eq!((folded[RLARGE].len() as u64, testkit::fold::digest(&folded[RLARGE])), (*count, digest.clone()));
+    for did in [RLARGE, rsmall6] {
+        assert!(snapshots.iter().any(|s| s.contains(did)), "{did}: {snapshots:?}");
+        let (count, digest) = &testkit::fold::reference()[did];
+        assert_eq!((folded[did].len() as u64, testkit::fold::digest(&folded[did])), (*count, digest.clone()), "{did}");
+    }
 }
 
 /// `firekeeper repos resync`: refused without the token (said by the CLI) and with a

@@ -274,3 +274,40 @@ async fn a_fetched_repo_verifies() {
     let snap = atproto_repo::repo::verify_repo_bytes(&bytes, SMALL, &key, now).expect("verifies");
     assert_eq!(snap.records.len(), 34);
 }
+
+/// A `listRepos` page as a relay answers it: two active repos (one with its rev), one
+/// inactive, one name that is not a DID.
+const PAGE: &str = r#"{"cursor":"c2","repos":[{"did":"did:plc:a","head":"bafyh","rev":"3abc","active":true},{"did":"did:plc:b","active":false,"status":"takendown"},{"did":"nope"},{"did":"did:plc:c"}]}"#;
+
+/// A listing page: revs read, inactive repos and names that are not DIDs skipped, an empty
+/// page is the end whatever its cursor says. A host answering 500, a body that is not
+/// JSON, JSON without `repos`, or a page past 16 MiB is an error that says so (the backfill
+/// asks again later), never a page taken for the end of the listing.
+#[tokio::test]
+async fn a_listing_page_is_read_or_refused_by_name() {
+    use repo_sync::list::{Listed, list_repos};
+    let base = host(|path| match path.split("cursor=").nth(1).unwrap_or("") {
+        "garbage" => Answer::Status(200, "", "<html>busy</html>"),
+        "norepos" => Answer::Status(200, "", r#"{"cursor":"x"}"#),
+        "fail" => Answer::Status(500, "", "oops"),
+        "empty" => Answer::Status(200, "", r#"{"repos":[],"cursor":"more"}"#),
+        "huge" => Answer::Unannounced(17 << 20),
+        _ => Answer::Status(200, "", PAGE),
+    })
+    .await;
+    let c = client(true);
+    let page = list_repos(&c, &base, None).await.expect("a page");
+    let listed = |did: &str, rev: Option<&str>| Listed { did: did.into(), rev: rev.map(str::to_owned) };
+    assert_eq!(page.active, vec![listed("did:plc:a", Some("3abc")), listed("did:plc:c", None)]);
+    assert_eq!((page.inactive, page.cursor.as_deref(), page.empty), (2, Some("c2"), false));
+    let empty = list_repos(&c, &base, Some("empty")).await.expect("an empty page");
+    assert!(empty.empty && empty.active.is_empty(), "{empty:?}");
+    for (cursor, says) in
+        [("fail", "HTTP 500"), ("garbage", "not a listing page"), ("norepos", "no repos"), ("huge", "")]
+    {
+        match list_repos(&c, &base, Some(cursor)).await {
+            Err(e) => assert!(e.to_string().contains(says), "{cursor}: {e}"),
+            Ok(p) => panic!("{cursor}: taken for a page: {p:?}"),
+        }
+    }
+}

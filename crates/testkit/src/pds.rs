@@ -63,6 +63,12 @@ pub enum Fault {
         /// `Retry-After`, seconds.
         retry_after_s: u64,
     },
+    /// The first `times` answers announce the whole CAR, send half of it and close (a
+    /// PDS that died half-way); then the repo.
+    DiesHalfway {
+        /// Answers cut short.
+        times: u32,
+    },
     /// Under the key [`EVERY`], for the whole host: the first `getRepo` opens a window of
     /// `secs` during which every `getRepo` of any repo is answered 429 with `Retry-After`
     /// (the seconds left); `answered` counts those 429s.
@@ -157,7 +163,7 @@ where
                                         body.len()
                                     ))
                                 }
-                                Some(Fault::HostWindow { .. }) | None => None,
+                                Some(Fault::HostWindow { .. } | Fault::DiesHalfway { .. }) | None => None,
                             }
                         }
                     };
@@ -176,6 +182,11 @@ where
                     }
                     let body = car(repo);
                     let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                    if dies_halfway(&faults, &did.replace("%3A", ":")) {
+                        let _ = s.write_all(head.as_bytes()).await;
+                        let _ = s.write_all(&body[..body.len() / 2]).await;
+                        return;
+                    }
                     if s.write_all(head.as_bytes()).await.is_err() || s.write_all(&body).await.is_err() {
                         return;
                     }
@@ -184,6 +195,17 @@ where
         }
     });
     base
+}
+
+/// True when `did`'s answer is to be cut short now ([`Fault::DiesHalfway`]; counts it).
+fn dies_halfway<U: std::hash::BuildHasher>(faults: &std::sync::Mutex<HashMap<String, Fault, U>>, did: &str) -> bool {
+    match faults.lock().expect("faults").get_mut(did) {
+        Some(Fault::DiesHalfway { times }) if *times > 0 => {
+            *times -= 1;
+            true
+        }
+        _ => false,
+    }
 }
 
 /// Repos per `listRepos` page, whatever the client asks for (a server may serve fewer):
