@@ -161,6 +161,48 @@ async fn a_chain_break_is_repaired_from_the_pds_and_the_fold_equals_the_referenc
 /// records, the tampered repo's included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tampered_commit_and_chain_breaks_are_repaired_and_the_fold_equals_the_reference() {
+    let base = testkit::pds::start(every_repo()).await;
+    tampered_repaired_jsonl(base, tampered_frames()).await;
+}
+
+/// The held-back scenario's shape with the Postgres sink and its records table, on the
+/// binary's default verification (`full`: the test environment's `off` removed): the
+/// records table equals every repo's reference records, the tampered repo's included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_records_table_equals_the_reference_after_a_tampered_commit_on_default_verification() {
+    let base = testkit::pds::start(every_repo()).await;
+    let dir = tmpdir("resync-tampered-pg");
+    let World { mut env, addr, plc: _plc, _relay, .. } = world(&base, tampered_frames(), &dir).await;
+    env.remove("FIREKEEPER_VERIFY");
+    let pg = testkit::PgServer::start();
+    env.insert("FIREKEEPER_SINK".into(), "postgres".into());
+    env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
+    env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
+    env.insert("DATABASE_URL".into(), pg.url());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let child = firekeeper(&env, &[], &dir.join("c.log"));
+    eventually("the stream committed and every marked repo resynchronised", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["committed"] == 508 && v["desynchronized"] == 0 && metrics.contains("reason=\"cid\"} 1\n")
+    })
+    .await;
+    assert!(sigterm_and_wait(child).success());
+    let (c, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    let rows =
+        c.query("SELECT did, collection || '/' || rkey, cid FROM firekeeper_records", &[]).await.expect("records");
+    let mut folded = testkit::fold::Folded::new();
+    for r in rows {
+        folded.entry(r.get::<_, String>(0)).or_default().insert(r.get(1), r.get(2));
+    }
+    assert_reference(&folded);
+}
+
+/// The chain-break capture with the last commit of rsmall1 that writes a record tampered
+/// (a record changed under its CID: no later commit's chain check repairs it).
+fn tampered_frames() -> Vec<testkit::bytes_compat::Bytes> {
     let rsmall1 = "did:plc:4fqcvmfbjmzuc7dzjjm6ss6q";
     let frames = resync_frames();
     let victim = frames
@@ -175,11 +217,15 @@ async fn a_tampered_commit_and_chain_breaks_are_repaired_and_the_fold_equals_the
         })
         .last()
         .expect("a commit of rsmall1 with a record");
-    let frames: Vec<_> = frames
+    frames
         .iter()
         .map(|f| if relay_sim::frame_seq(f) == Some(victim) { testkit::tamper::record_changed(f) } else { f.clone() })
-        .collect();
-    let base = testkit::pds::start(every_repo()).await;
+        .collect()
+}
+
+/// The tampered capture through the jsonl sink with full verification, the PDS at `base`.
+async fn tampered_repaired_jsonl(base: String, frames: Vec<testkit::bytes_compat::Bytes>) {
+    let rsmall1 = "did:plc:4fqcvmfbjmzuc7dzjjm6ss6q";
     let dir = tmpdir("resync-tampered");
     let World { mut env, addr, out, plc: _plc, _relay } = world(&base, frames, &dir).await;
     env.insert("FIREKEEPER_VERIFY".into(), "full".into());
@@ -310,6 +356,14 @@ async fn a_leader_lost_during_a_resync(freeze: bool) {
 }
 
 async fn a_leader_lost_during_a_resync_on(freeze: bool, store: &Store) {
+    a_leader_lost_during(freeze, store, false).await;
+}
+
+/// [`a_leader_lost_during_a_resync_on`], or with `backfill` the same in the middle of a
+/// backfill: the stream committed at its end, every reference repo listed in
+/// `FIREKEEPER_BACKFILL_DIDS`, the leader lost while the large repo's download is in
+/// flight; the next leader finishes the backfill from the kept position and queue.
+async fn a_leader_lost_during(freeze: bool, store: &Store, backfill: bool) {
     let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
     let base = testkit::pds::start_slow(every_repo(), slow).await;
     let dir = tmpdir(if freeze { "resync-freeze" } else { "resync-kill" });
@@ -334,7 +388,14 @@ async fn a_leader_lost_during_a_resync_on(freeze: bool, store: &Store) {
         env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
         _pg = Some(pg);
     }
-    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    if backfill {
+        let list = dir.join("dids.txt");
+        let dids: Vec<String> = testkit::fold::reference().into_keys().collect();
+        std::fs::write(&list, dids.join("\n")).expect("list");
+        env.insert("FIREKEEPER_BACKFILL_DIDS".into(), format!("@{}", list.display()));
+    }
+    let start = if backfill { "508" } else { "0" };
+    assert!(run_once(&env, &["cursor", "set", start]).status.success());
     let (addr_a, addr_b) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
     let mut env_a = env.clone();
     env_a.insert("FIREKEEPER_HTTP_ADDR".into(), addr_a.clone());
@@ -378,7 +439,20 @@ async fn a_leader_lost_during_a_resync_on(freeze: bool, store: &Store) {
     let text = std::fs::read_to_string(&out).expect("output");
     let large = text.lines().filter(|l| l.contains("\"#resync\"") && l.contains(RLARGE)).count();
     assert_eq!(large, 1, "the large repo's snapshot is written once (by the next leader)");
+    if backfill {
+        assert!(text.lines().all(|l| l.starts_with("{\"seq\":null,")), "nothing but snapshots");
+    }
     assert_reference(&testkit::fold::jsonl(&text));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_killed_during_a_backfill_is_finished_by_the_next() {
+    a_leader_lost_during(false, &Store::Redis, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_frozen_during_a_backfill_writes_nothing_when_it_wakes() {
+    a_leader_lost_during(true, &Store::Redis, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
