@@ -54,18 +54,27 @@ const HOLD_MAX: usize = 4_096;
 const BESIDE_WINDOW: usize = 1 << 16;
 
 /// A snapshot written beside its lane: the lane goes on with other repos' events and
-/// holds back its repo's until the snapshot lands.
-struct Beside<'a> {
+/// holds back its repo's until the snapshot lands. The write is a task of its own, so it
+/// goes on whatever the lane waits for (a store write that waits on the snapshot's
+/// transaction, say); it is aborted with the lane.
+struct Beside {
     did: String,
     held: VecDeque<Event>,
     /// The snapshot's write; `false` when the lane must stop.
-    write: std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'a>>,
+    write: tokio::task::JoinHandle<bool>,
 }
 
-/// The snapshot written beside the lane finishing; never resolves when there is none.
-async fn beside_lands(b: &mut Option<Beside<'_>>) -> bool {
+impl Drop for Beside {
+    fn drop(&mut self) {
+        self.write.abort();
+    }
+}
+
+/// The snapshot written beside the lane finishing (`false`: the lane must stop); never
+/// resolves when there is none.
+async fn beside_lands(b: &mut Option<Beside>) -> bool {
     match b {
-        Some(b) => b.write.as_mut().await,
+        Some(b) => (&mut b.write).await.unwrap_or(false),
         None => std::future::pending().await,
     }
 }
@@ -181,7 +190,7 @@ impl Pipeline {
                 failures: std::sync::atomic::AtomicU32::new(0),
                 unstorable: shape.unstorable,
             };
-            tasks.push(tokio::spawn(lane.run(rx, snap_rx, done_tx.clone())));
+            tasks.push(tokio::spawn(Arc::new(lane).run(rx, snap_rx, done_tx.clone())));
         }
         // Every lane holds at most `queue_depth` queued events, the batch it is writing
         // and what it wrote ahead; the window also keeps finished events behind an
@@ -443,7 +452,7 @@ impl Lane {
     /// writes ahead, up to [`Handler::write_ahead`] events are submitted and not yet
     /// durable, and each batch is reported done once its write is.
     async fn run(
-        self,
+        self: Arc<Self>,
         mut rx: mpsc::Receiver<Vec<Event>>,
         mut snapshots: mpsc::UnboundedReceiver<Staged>,
         done: mpsc::UnboundedSender<Done>,
@@ -459,7 +468,7 @@ impl Lane {
         let mut staged: Option<Staged> = None;
         let mut snapshots_open = true;
         // The snapshot being written beside the lane, and the queue having closed.
-        let mut beside: Option<Beside<'_>> = None;
+        let mut beside: Option<Beside> = None;
         let mut closed = false;
         loop {
             let turn = staged.as_ref().is_some_and(|s| s.after <= taken);
@@ -472,7 +481,9 @@ impl Lane {
                 }
                 self.ctx.cursor_hold.set(true);
                 let did = s.snapshot.did().to_owned();
-                beside = Some(Beside { did, held: VecDeque::new(), write: Box::pin(self.snapshot(s, &done)) });
+                let (me, done) = (self.clone(), done.clone());
+                let write = tokio::spawn(async move { me.snapshot(s, &done).await });
+                beside = Some(Beside { did, held: VecDeque::new(), write });
                 continue;
             }
             if closed && carry.is_empty() && beside.is_none() {
@@ -493,12 +504,12 @@ impl Lane {
                     }
                 }
                 ok = beside_lands(&mut beside) => {
-                    let b = beside.take().expect("a snapshot beside");
+                    let mut b = beside.take().expect("a snapshot beside");
                     if !ok {
                         return;
                     }
                     // Its repo's events go on, before any later one of it.
-                    for e in b.held.into_iter().rev() {
+                    for e in std::mem::take(&mut b.held).into_iter().rev() {
                         carry.push_front(e);
                     }
                     self.ctx.cursor_hold.set(false);
