@@ -103,10 +103,7 @@ async fn run_with(sink: &Sink, dir: &std::path::Path, extra: &[(&str, &str)]) ->
     let World { mut env, addr, out, plc: _plc, _relay } = world(&base, resync_frames(), dir).await;
     env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     if let Sink::Postgres(pg) = sink {
-        env.insert("FIREKEEPER_SINK".into(), "postgres".into());
-        env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
-        env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
-        env.insert("DATABASE_URL".into(), pg.url());
+        postgres_env(&mut env, pg);
     }
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
@@ -121,6 +118,27 @@ async fn run_with(sink: &Sink, dir: &std::path::Path, extra: &[(&str, &str)]) ->
     assert!(sigterm_and_wait(child).success());
     let log = std::fs::read_to_string(dir.join("c.log")).expect("log");
     (std::fs::read_to_string(&out).unwrap_or_default(), metrics, log)
+}
+
+/// The Postgres sink with its records table, and the cursor store in the same database.
+fn postgres_env(env: &mut HashMap<String, String>, pg: &testkit::PgServer) {
+    env.insert("FIREKEEPER_SINK".into(), "postgres".into());
+    env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
+    env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
+    env.insert("DATABASE_URL".into(), pg.url());
+}
+
+/// The rows of `firekeeper_records` at `url`, folded per repo (record path → CID).
+async fn records_table(url: &str) -> testkit::fold::Folded {
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    let rows =
+        c.query("SELECT did, collection || '/' || rkey, cid FROM firekeeper_records", &[]).await.expect("records");
+    let mut folded = testkit::fold::Folded::new();
+    for r in rows {
+        folded.entry(r.get::<_, String>(0)).or_default().insert(r.get(1), r.get(2));
+    }
+    folded
 }
 
 /// Every repo's records equal the reference set.
@@ -175,10 +193,7 @@ async fn the_postgres_records_table_equals_the_reference_after_a_tampered_commit
     let World { mut env, addr, plc: _plc, _relay, .. } = world(&base, tampered_frames(), &dir).await;
     env.remove("FIREKEEPER_VERIFY");
     let pg = testkit::PgServer::start();
-    env.insert("FIREKEEPER_SINK".into(), "postgres".into());
-    env.insert("FIREKEEPER_CURSOR_STORE".into(), "postgres".into());
-    env.insert("FIREKEEPER_POSTGRES_RECORDS".into(), "true".into());
-    env.insert("DATABASE_URL".into(), pg.url());
+    postgres_env(&mut env, &pg);
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
     eventually("the stream committed and every marked repo resynchronised", WAIT, async || {
@@ -189,15 +204,7 @@ async fn the_postgres_records_table_equals_the_reference_after_a_tampered_commit
     })
     .await;
     assert!(sigterm_and_wait(child).success());
-    let (c, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
-    tokio::spawn(conn);
-    let rows =
-        c.query("SELECT did, collection || '/' || rkey, cid FROM firekeeper_records", &[]).await.expect("records");
-    let mut folded = testkit::fold::Folded::new();
-    for r in rows {
-        folded.entry(r.get::<_, String>(0)).or_default().insert(r.get(1), r.get(2));
-    }
-    assert_reference(&folded);
+    assert_reference(&records_table(&pg.url()).await);
 }
 
 /// The chain-break capture with the last commit of rsmall1 that writes a record tampered
@@ -320,15 +327,9 @@ async fn the_postgres_records_table_equals_the_reference(extra: &[(&str, &str)])
     if !extra.is_empty() {
         assert!(log.contains("repo resynchronised from its PDS"), "{log}");
     }
+    assert_reference(&records_table(&url).await);
     let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.expect("pg");
     tokio::spawn(conn);
-    let rows =
-        c.query("SELECT did, collection || '/' || rkey, cid FROM firekeeper_records", &[]).await.expect("records");
-    let mut folded = testkit::fold::Folded::new();
-    for r in rows {
-        folded.entry(r.get::<_, String>(0)).or_default().insert(r.get(1), r.get(2));
-    }
-    assert_reference(&folded);
     let resyncs: i64 = c
         .query_one("SELECT count(*) FROM firekeeper_events WHERE seq IS NULL AND kind = '#resync'", &[])
         .await

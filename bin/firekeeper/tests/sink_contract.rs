@@ -240,7 +240,7 @@ impl Downstream {
             Sink::JsonlFile | Sink::JsonlStdout => lines(&std::fs::read_to_string(self.out()).unwrap_or_default()),
             Sink::Webhook => lines(&self.hook.as_ref().expect("hook").bodies.lock().expect("bodies").concat()),
             Sink::JetStream => {
-                let s = self.jetstream().await;
+                let s = self.jetstream().await.expect("the stream");
                 let last = s.get_info().await.expect("info").state.last_sequence;
                 let mut out = Vec::new();
                 for i in 1..=last {
@@ -253,8 +253,8 @@ impl Downstream {
         }
     }
 
-    /// The sink's JetStream stream.
-    async fn jetstream(&self) -> nats_op::async_nats::jetstream::stream::Stream {
+    /// The sink's JetStream stream (`None` before the sink created it).
+    async fn jetstream(&self) -> Option<nats_op::async_nats::jetstream::stream::Stream> {
         let cfg = nats_op::NatsConfig {
             url: self.nats.as_ref().expect("nats").url(),
             creds_file: None,
@@ -263,7 +263,7 @@ impl Downstream {
             op_timeout: Duration::from_secs(5),
         };
         let n = nats_op::Nats::connect(&cfg).await.expect("connect");
-        n.jetstream().get_stream("FIREKEEPER").await.expect("the stream")
+        n.jetstream().get_stream("FIREKEEPER").await.ok()
     }
 
     /// Every event the downstream holds.
@@ -289,15 +289,7 @@ impl Downstream {
                     .collect()
             }
             Sink::JetStream => {
-                let cfg = nats_op::NatsConfig {
-                    url: self.nats.as_ref().expect("nats").url(),
-                    creds_file: None,
-                    ca_file: None,
-                    token: None,
-                    op_timeout: Duration::from_secs(5),
-                };
-                let n = nats_op::Nats::connect(&cfg).await.expect("connect");
-                let Ok(s) = n.jetstream().get_stream("FIREKEEPER").await else { return Vec::new() };
+                let Some(s) = self.jetstream().await else { return Vec::new() };
                 let last = s.get_info().await.expect("info").state.last_sequence;
                 let mut out = Vec::new();
                 for i in 1..=last {

@@ -128,10 +128,10 @@ pub(crate) struct Resyncer {
     opts: ResyncOptions,
     /// The collections a snapshot carries (the collection filter).
     wants: repo_sync::snapshot::Wants,
-    /// No listing page is asked for before this (after a failed one).
-    listing_after: std::sync::Mutex<Option<std::time::Instant>>,
-    /// No reconcile page is asked for before this (after a failed one).
-    reconcile_after: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The backfill's listing, paused after a failed page.
+    listing_after: Pause,
+    /// The gap reconcile's listing, paused after a failed page.
+    reconcile_after: Pause,
     /// PDSs parked by their rate limits (kept across terms: the limit is the host's).
     hosts: repo_sync::hosts::Hosts,
 }
@@ -159,8 +159,8 @@ impl Resyncer {
             client,
             opts,
             wants: filter.map(|f| -> Arc<dyn Fn(&str) -> bool + Send + Sync> { Arc::new(move |c| f.wants(c)) }),
-            listing_after: std::sync::Mutex::new(None),
-            reconcile_after: std::sync::Mutex::new(None),
+            listing_after: Pause::default(),
+            reconcile_after: Pause::default(),
             hosts: repo_sync::hosts::Hosts::default(),
         })
     }
@@ -224,6 +224,25 @@ impl Resyncer {
     }
 }
 
+/// A listing that asks no page for a while after a failed one.
+#[derive(Default)]
+struct Pause(std::sync::Mutex<Option<std::time::Instant>>);
+
+impl Pause {
+    /// True while the pause lasts.
+    fn on(&self) -> bool {
+        self.0.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t))
+    }
+
+    /// A page of `what`'s listing failed (logged): none is asked for 30 s.
+    fn after_failure(&self, what: &str, why: &FetchError) {
+        tracing::warn!(error = %why, "{what}: listing the host's repos failed; asking again in 30 s");
+        if let Ok(mut t) = self.0.lock() {
+            *t = Some(std::time::Instant::now() + Duration::from_secs(30));
+        }
+    }
+}
+
 /// The last rev (a TID value) this term handed over of a repo, as far as it remembers.
 pub(crate) type Known = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
 
@@ -242,9 +261,7 @@ impl Resyncer {
     ) -> Result<(), crate::handler::HandlerError> {
         let (Some(host), Some(known)) = (&self.opts.reconcile_host, known) else { return Ok(()) };
         let Some(at) = desync.reconcile() else { return Ok(()) };
-        if desync.queued() >= BACKFILL_BATCH
-            || self.reconcile_after.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t))
-        {
+        if desync.queued() >= BACKFILL_BATCH || self.reconcile_after.on() {
             return Ok(());
         }
         if at.cursor.is_none() {
@@ -256,10 +273,7 @@ impl Resyncer {
         let page = match repo_sync::list::list_repos(&self.client, host, at.cursor.as_deref()).await {
             Ok(p) => p,
             Err(why) => {
-                tracing::warn!(error = %why, "gap reconcile: listing the host's repos failed; asking again in 30 s");
-                if let Ok(mut t) = self.reconcile_after.lock() {
-                    *t = Some(std::time::Instant::now() + Duration::from_secs(30));
-                }
+                self.reconcile_after.after_failure("gap reconcile", &why);
                 return Ok(());
             }
         };
@@ -346,7 +360,7 @@ impl Resyncer {
         use crate::verify::Listing;
         let Some(host) = &self.opts.backfill_list else { return Ok(()) };
         let Some(at) = ListingAt::of(&desync.listing(), &self.opts.backfill_collections) else { return Ok(()) };
-        if self.listing_after.lock().is_ok_and(|t| t.is_some_and(|t| std::time::Instant::now() < t)) {
+        if self.listing_after.on() {
             return Ok(());
         }
         let cursor = at.cursor.as_deref();
@@ -357,10 +371,7 @@ impl Resyncer {
         let page = match listed {
             Ok(p) => p,
             Err(why) => {
-                tracing::warn!(error = %why, "backfill: listing the host's repos failed; asking again in 30 s");
-                if let Ok(mut t) = self.listing_after.lock() {
-                    *t = Some(std::time::Instant::now() + Duration::from_secs(30));
-                }
+                self.listing_after.after_failure("backfill", &why);
                 return Ok(());
             }
         };
