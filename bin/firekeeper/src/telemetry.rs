@@ -88,6 +88,12 @@ pub fn metrics() -> Result<PrometheusHandle> {
             &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
         )
         .context("histogram buckets")?
+        // A resync takes from milliseconds (a small repo) to many minutes (a giant one).
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(consumer::metrics::RESYNC_SECONDS.into()),
+            &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1800.0],
+        )
+        .context("histogram buckets")?
         .install_recorder()
         .context("installing the metrics recorder")?;
     consumer::metrics::register(consumer::metrics::ALL);

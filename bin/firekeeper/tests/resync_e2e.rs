@@ -627,9 +627,16 @@ async fn a_rate_limited_host_is_parked_and_its_other_repos_wait() {
     env.insert("FIREKEEPER_SYNC_WORKERS".into(), "1".into());
     assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
+    // While the window lasts the host shows as parked.
+    eventually("the host parked", WAIT, async || {
+        http_get(&addr, "/metrics").await.is_some_and(|(_, m)| m.contains("firekeeper_resync_parked_hosts 1\n"))
+    })
+    .await;
     eventually("every repo landed after the host's window", WAIT, async || settled(&addr, "backfill", 9).await).await;
     let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
     assert!(sigterm_and_wait(child).success());
+    assert!(metrics.contains("firekeeper_resync_parked_hosts 0\n"), "no host parked at the end: {metrics}");
+    assert!(metrics.contains("firekeeper_resync_duration_seconds_count 9\n"), "each resync timed: {metrics}");
     assert_eq!(answered.load(std::sync::atomic::Ordering::Relaxed), 1, "one 429: {metrics}");
     assert!(
         metrics.contains("firekeeper_resyncs_total{outcome=\"rate_limited\",reason=\"backfill\"} 1\n"),

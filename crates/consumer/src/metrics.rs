@@ -81,6 +81,10 @@ pub const RESYNC_RECORDS: &str = "firekeeper_resync_records_total";
 pub const RESYNC_BYTES: &str = "firekeeper_resync_bytes_total";
 /// Resync downloads in flight.
 pub const RESYNC_IN_FLIGHT: &str = "firekeeper_resync_in_flight";
+/// How long a resync took, from its fetch to the sink's acknowledgement of its last part.
+pub const RESYNC_SECONDS: &str = "firekeeper_resync_duration_seconds";
+/// PDSs whose rate limit parked them now.
+pub const RESYNC_PARKED_HOSTS: &str = "firekeeper_resync_parked_hosts";
 /// The leader's resync queue by state (`desynchronized`, `resyncing`, `gone`, `failed`).
 pub const RESYNC_QUEUE: &str = "firekeeper_resync_queue";
 /// Events dropped because a snapshot delivered before them covers them.
@@ -133,6 +137,13 @@ pub const ALL: &[Metric] = &[
     gauge(DESYNC_REPOS, "repos marked desynchronised (an invalid event, a broken chain): the resync queue"),
     gauge(VERIFY_HELD, "events held because their DID does not resolve now"),
     gauge(RESYNC_IN_FLIGHT, "repo resync downloads in flight"),
+    gauge(RESYNC_PARKED_HOSTS, "PDSs whose rate limit parked them now (their repos wait); 0 on a standby"),
+    Metric {
+        name: RESYNC_SECONDS,
+        kind: MetricKind::Histogram,
+        help: "how long a resync took, from its fetch to the sink's acknowledgement of its last part",
+        labels: &[],
+    },
     Metric {
         name: RESYNC_QUEUE,
         kind: MetricKind::Gauge,

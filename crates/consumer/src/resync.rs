@@ -184,7 +184,7 @@ impl Resyncer {
         loop {
             while tasks.try_join_next().is_some() {}
             if shown.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
-                QueueGauges::set(&desync);
+                QueueGauges::set(&desync, &self.hosts);
                 shown = Some(std::time::Instant::now());
             }
             for did in desync.take_requests() {
@@ -300,10 +300,11 @@ impl Resyncer {
 struct QueueGauges;
 
 impl QueueGauges {
-    fn set(desync: &Desync) {
+    fn set(desync: &Desync, hosts: &repo_sync::hosts::Hosts) {
         for (state, n) in desync.by_state() {
             metrics::gauge!(m::RESYNC_QUEUE, "state" => state).set(n as f64);
         }
+        metrics::gauge!(m::RESYNC_PARKED_HOSTS).set(hosts.parked_now() as f64);
     }
 }
 
@@ -312,6 +313,7 @@ impl Drop for QueueGauges {
         for state in crate::verify::state::ALL {
             metrics::gauge!(m::RESYNC_QUEUE, "state" => state).set(0.0);
         }
+        metrics::gauge!(m::RESYNC_PARKED_HOSTS).set(0.0);
     }
 }
 
@@ -484,6 +486,7 @@ impl Job {
                         metrics::counter!(m::RESYNC_RECORDS).increment(records);
                         metrics::counter!(m::RESYNC_BYTES).increment(bytes);
                         self.desync.meter.add(now_ms().unsigned_abs() / 1000, records, bytes);
+                        metrics::histogram!(m::RESYNC_SECONDS).record(started.elapsed().as_secs_f64());
                         Outcome::Done(rev_tid)
                     }
                     Ok(Err(why)) if why == STALE => {

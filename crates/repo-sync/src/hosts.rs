@@ -32,6 +32,13 @@ impl Hosts {
         }
     }
 
+    /// How many hosts are parked now (a gauge's value).
+    #[must_use]
+    pub fn parked_now(&self) -> usize {
+        let now = Instant::now();
+        self.parked.lock().map_or(0, |p| p.values().filter(|t| **t > now).count())
+    }
+
     /// How long `host` stays parked, if it is.
     #[must_use]
     pub fn parked(&self, host: &str) -> Option<Duration> {
@@ -58,6 +65,7 @@ mod tests {
         h.park("pds:443", Duration::from_secs(1));
         assert!(h.parked("pds:443").is_some_and(|d| d > Duration::from_mins(9)));
         assert_eq!(h.parked("other:443"), None, "other hosts go on");
+        assert_eq!(h.parked_now(), 1);
         h.park("soon:443", Duration::ZERO);
         assert_eq!(h.parked("soon:443"), None);
         let u = url::Url::parse("https://pds.example/xrpc/x").expect("url");
