@@ -44,6 +44,15 @@ async fn settled(addr: &str, reason: &str, n: u64) -> bool {
         && metrics.contains(&format!("firekeeper_resyncs_total{{outcome=\"done\",reason=\"{reason}\"}} {n}\n"))
 }
 
+/// True once the replica at `addr` committed the whole capture (seq 508), holds no repo
+/// desynchronised, and its metrics page contains `needle`.
+async fn repaired(addr: &str, needle: &str) -> bool {
+    let Some((200, body)) = http_get(addr, "/status").await else { return false };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+    let Some((200, metrics)) = http_get(addr, "/metrics").await else { return false };
+    v["committed"] == 508 && v["desynchronized"] == 0 && metrics.contains(needle)
+}
+
 /// Every repo of the reference PDS, served as itself.
 fn every_repo() -> HashMap<String, String> {
     testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect()
@@ -196,13 +205,9 @@ async fn the_postgres_records_table_equals_the_reference_after_a_tampered_commit
     postgres_env(&mut env, &pg);
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
-    eventually("the stream committed and every marked repo resynchronised", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
-        v["committed"] == 508 && v["desynchronized"] == 0 && metrics.contains("reason=\"cid\"} 1\n")
-    })
-    .await;
+    let cid = "reason=\"cid\"} 1\n";
+    eventually("the stream committed and every marked repo resynchronised", WAIT, async || repaired(&addr, cid).await)
+        .await;
     assert!(sigterm_and_wait(child).success());
     assert_reference(&records_table(&pg.url()).await);
 }
@@ -238,13 +243,9 @@ async fn tampered_repaired_jsonl(base: String, frames: Vec<testkit::bytes_compat
     env.insert("FIREKEEPER_VERIFY".into(), "full".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
     let child = firekeeper(&env, &[], &dir.join("c.log"));
-    eventually("the stream committed and every marked repo resynchronised", WAIT, async || {
-        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
-        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
-        v["committed"] == 508 && v["desynchronized"] == 0 && metrics.contains("reason=\"cid\"} 1\n")
-    })
-    .await;
+    let cid = "reason=\"cid\"} 1\n";
+    eventually("the stream committed and every marked repo resynchronised", WAIT, async || repaired(&addr, cid).await)
+        .await;
     let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
     assert!(sigterm_and_wait(child).success());
     let text = std::fs::read_to_string(&out).expect("output");

@@ -584,28 +584,15 @@ async fn a_record_the_downstream_cannot_store(sink: Sink) {
 /// the parts are written again, none is lost.
 async fn a_repo_repaired_from_its_pds(sink: Sink) {
     let dir = tmpdir(&format!("contract-resync-{sink:?}"));
-    let frames =
-        relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
+    let (frames, plc) = repair_world().await;
     let last = frames.iter().filter_map(|f| relay_sim::frame_seq(f)).max().expect("a seq");
-    let every: std::collections::HashMap<String, String> =
-        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
-    let pds = testkit::pds::start(every).await;
-    let plc = testkit::plc::Plc::start(testkit::pds::docs(&pds)).await;
     let relay = RelaySim::start(frames).await.expect("sim");
     let down = Downstream::start(sink, &dir).await;
     if let Some(h) = &down.hook {
         h.set(HookMode::DropRecords("did:plc:d255tkvufzfkpckokc332in6", 2));
     }
     let plc_url = plc.url();
-    let run = Run::start(
-        &relay,
-        &down,
-        &[
-            ("FIREKEEPER_PLC_URL", &plc_url),
-            ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true"),
-            ("FIREKEEPER_RESYNC", "true"),
-        ],
-    );
+    let run = Run::start(&relay, &down, &repair_settings(&plc_url));
     eventually("the stream committed and both broken repos resynchronised", WAIT, async || {
         let v = run.status().await;
         let Some((200, metrics)) = http_get(&run.http, "/metrics").await else { return false };
@@ -621,14 +608,34 @@ async fn a_repo_repaired_from_its_pds(sink: Sink) {
     if sink == Sink::Null {
         return;
     }
+    folds_to_the_reference(sink, down.events().await);
+}
+
+/// The chain-break capture (commits of two repos taken out), and a PLC naming a local PDS
+/// that serves every reference repo's final state: what a repair needs.
+async fn repair_world() -> (Vec<Bytes>, testkit::plc::Plc) {
+    let frames =
+        relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
+    let every: std::collections::HashMap<String, String> =
+        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
+    let pds = testkit::pds::start(every).await;
+    (frames, testkit::plc::Plc::start(testkit::pds::docs(&pds)).await)
+}
+
+/// The settings that point the binary at [`repair_world`]'s PLC (loopback allowed).
+fn repair_settings(plc_url: &str) -> Vec<(&str, &str)> {
+    vec![("FIREKEEPER_PLC_URL", plc_url), ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true"), ("FIREKEEPER_RESYNC", "true")]
+}
+
+/// Folding `events` gives every reference repo's records.
+fn folds_to_the_reference(sink: Sink, events: Vec<serde_json::Value>) {
     let mut folded = testkit::fold::Folded::new();
-    for e in down.events().await {
+    for e in events {
         testkit::fold::apply(&mut folded, &e);
     }
     for (did, (count, digest)) in testkit::fold::reference() {
         let got = folded.get(&did).cloned().unwrap_or_default();
-        assert_eq!(got.len() as u64, count, "{sink:?} {did}: record count");
-        assert_eq!(testkit::fold::digest(&got), digest, "{sink:?} {did}: records");
+        assert_eq!((got.len() as u64, testkit::fold::digest(&got)), (count, digest), "{sink:?} {did}");
     }
 }
 
@@ -642,28 +649,16 @@ async fn a_repo_repaired_from_its_pds(sink: Sink) {
 async fn a_giant_snapshot_holds_back_only_its_own_repo() {
     const LARGE: &str = "did:plc:d255tkvufzfkpckokc332in6";
     let dir = tmpdir("contract-beside");
-    let frames =
-        relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
+    let (frames, plc) = repair_world().await;
     let first = frames[0].clone();
-    let every: std::collections::HashMap<String, String> =
-        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
-    let pds = testkit::pds::start(every).await;
-    let plc = testkit::plc::Plc::start(testkit::pds::docs(&pds)).await;
     let relay = RelaySim::start(frames).await.expect("sim");
     let down = Downstream::start(Sink::Webhook, &dir).await;
     let hook = down.hook.as_ref().expect("hook");
     hook.set(HookMode::SlowRecords(LARGE, 25));
     let plc_url = plc.url();
-    let run = Run::start(
-        &relay,
-        &down,
-        &[
-            ("FIREKEEPER_PLC_URL", &plc_url),
-            ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true"),
-            ("FIREKEEPER_RESYNC", "true"),
-            ("FIREKEEPER_LANES", "1"),
-        ],
-    );
+    let mut settings = repair_settings(&plc_url);
+    settings.push(("FIREKEEPER_LANES", "1"));
+    let run = Run::start(&relay, &down, &settings);
     let large_records = || {
         let b = hook.bodies.lock().expect("bodies");
         b.iter().filter(|x| x.contains("\"#record\"") && x.contains(LARGE)).count()
@@ -710,14 +705,7 @@ async fn a_giant_snapshot_holds_back_only_its_own_repo() {
             .collect()
     };
     assert!(order.is_sorted(), "held events in order: {order:?}");
-    let mut folded = testkit::fold::Folded::new();
-    for e in down.events().await {
-        testkit::fold::apply(&mut folded, &e);
-    }
-    for (did, (count, digest)) in testkit::fold::reference() {
-        let got = folded.get(&did).cloned().unwrap_or_default();
-        assert_eq!((got.len() as u64, testkit::fold::digest(&got)), (count, digest), "{did}");
-    }
+    folds_to_the_reference(Sink::Webhook, down.events().await);
 }
 
 macro_rules! contract {
