@@ -124,9 +124,7 @@ async fn a_full_disk_while_a_repo_spills_fails_that_fetch_and_the_retry_lands() 
     };
     let frames =
         relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
-    let every: std::collections::HashMap<String, String> =
-        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
-    let pds = testkit::pds::start(every).await;
+    let pds = testkit::pds::start(testkit::pds::every_repo()).await;
     let plc = testkit::plc::Plc::start(testkit::pds::docs(&pds)).await;
     let sim = RelaySim::start(frames).await.expect("sim");
     let mut env = base_env(&sim.url(), &dir);
@@ -134,9 +132,7 @@ async fn a_full_disk_while_a_repo_spills_fails_that_fetch_and_the_retry_lands() 
     let out = dir.join("out.jsonl");
     env.insert("FIREKEEPER_HTTP_ADDR".into(), http.clone());
     env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
-    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
-    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
-    env.insert("FIREKEEPER_RESYNC".into(), "true".into());
+    env.extend(testkit::pds::repair_env(&plc.url()).map(|(k, v)| (k.to_owned(), v)));
     env.insert("FIREKEEPER_SYNC_MEMORY_BYTES".into(), "1048576".into());
     env.insert("FIREKEEPER_RESYNC_RETRY_MS".into(), "500".into());
     assert!(run_once(&env, &["cursor", "set", "0"]).status.success());

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 
 use testkit::http::http_get;
+use testkit::pds::every_repo;
 use testkit::plc::Plc;
 use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait};
 use testkit::{WAIT, eventually, free_port, tmpdir};
@@ -53,11 +54,6 @@ async fn repaired(addr: &str, needle: &str) -> bool {
     v["committed"] == 508 && v["desynchronized"] == 0 && metrics.contains(needle)
 }
 
-/// Every repo of the reference PDS, served as itself.
-fn every_repo() -> HashMap<String, String> {
-    testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect()
-}
-
 /// A local world for the binary: a PLC serving the reference DID documents with their PDS
 /// at `pds`, relay-sim replaying `frames`, and the binary's environment for them (an HTTP
 /// address, jsonl to `dir/out.jsonl`, loopback addresses allowed).
@@ -87,9 +83,7 @@ async fn world_with(
     let out = dir.join("out.jsonl");
     env.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
     env.insert("FIREKEEPER_JSONL_PATH".into(), out.to_string_lossy().into_owned());
-    env.insert("FIREKEEPER_PLC_URL".into(), plc.url());
-    env.insert("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES".into(), "true".into());
-    env.insert("FIREKEEPER_RESYNC".into(), "true".into());
+    env.extend(testkit::pds::repair_env(&plc.url()).map(|(k, v)| (k.to_owned(), v)));
     World { plc, _relay: relay, env, addr, out }
 }
 

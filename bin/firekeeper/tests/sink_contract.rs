@@ -591,8 +591,8 @@ async fn a_repo_repaired_from_its_pds(sink: Sink) {
     if let Some(h) = &down.hook {
         h.set(HookMode::DropRecords("did:plc:d255tkvufzfkpckokc332in6", 2));
     }
-    let plc_url = plc.url();
-    let run = Run::start(&relay, &down, &repair_settings(&plc_url));
+    let env = testkit::pds::repair_env(&plc.url());
+    let run = Run::start(&relay, &down, &repair_settings(&env));
     eventually("the stream committed and both broken repos resynchronised", WAIT, async || {
         let v = run.status().await;
         let Some((200, metrics)) = http_get(&run.http, "/metrics").await else { return false };
@@ -616,15 +616,14 @@ async fn a_repo_repaired_from_its_pds(sink: Sink) {
 async fn repair_world() -> (Vec<Bytes>, testkit::plc::Plc) {
     let frames =
         relay_client::capture::read(&testkit::pds::repos_dir().join("firehose.resync.frames")).expect("capture");
-    let every: std::collections::HashMap<String, String> =
-        testkit::fold::reference().into_keys().map(|d| (d.clone(), d)).collect();
-    let pds = testkit::pds::start(every).await;
+    let pds = testkit::pds::start(testkit::pds::every_repo()).await;
     (frames, testkit::plc::Plc::start(testkit::pds::docs(&pds)).await)
 }
 
-/// The settings that point the binary at [`repair_world`]'s PLC (loopback allowed).
-fn repair_settings(plc_url: &str) -> Vec<(&str, &str)> {
-    vec![("FIREKEEPER_PLC_URL", plc_url), ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true"), ("FIREKEEPER_RESYNC", "true")]
+/// The settings that point the binary at [`repair_world`]'s PLC (see
+/// [`testkit::pds::repair_env`]).
+fn repair_settings<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
 /// Folding `events` gives every reference repo's records.
@@ -655,8 +654,8 @@ async fn a_giant_snapshot_holds_back_only_its_own_repo() {
     let down = Downstream::start(Sink::Webhook, &dir).await;
     let hook = down.hook.as_ref().expect("hook");
     hook.set(HookMode::SlowRecords(LARGE, 25));
-    let plc_url = plc.url();
-    let mut settings = repair_settings(&plc_url);
+    let env = testkit::pds::repair_env(&plc.url());
+    let mut settings = repair_settings(&env);
     settings.push(("FIREKEEPER_LANES", "1"));
     let run = Run::start(&relay, &down, &settings);
     let large_records = || {

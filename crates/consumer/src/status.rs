@@ -175,8 +175,9 @@ impl StatusHandle {
     pub fn snapshot(&self) -> Status {
         let mut s = self.0.status.borrow().clone();
         s.desynchronized = self.0.desync.len();
-        s.resync = self.0.desync.by_state().into_iter().collect();
-        s.repo_sync = self.0.desync.progress(crate::verify::now_ms().unsigned_abs() / 1000);
+        let by = self.0.desync.by_state();
+        s.repo_sync = self.0.desync.progress(&by, crate::verify::now_ms().unsigned_abs() / 1000);
+        s.resync = by.into_iter().collect();
         s.lease_store_error = self.lease_trouble();
         let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
         if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {

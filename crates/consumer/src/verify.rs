@@ -793,14 +793,14 @@ impl Desync {
         }
     }
 
-    /// Where repo sync stands at `now_s` (Unix seconds); `None` without repo sync.
+    /// Where repo sync stands at `now_s` (Unix seconds), given the queue `by` state (what
+    /// [`Desync::by_state`] says); `None` without repo sync.
     #[must_use]
-    pub fn progress(&self, now_s: u64) -> Option<crate::progress::Progress> {
+    pub fn progress(&self, by: &[(&'static str, usize)], now_s: u64) -> Option<crate::progress::Progress> {
         use crate::progress::{Backfill, Progress};
         if !self.resyncs() {
             return None;
         }
-        let by = self.by_state();
         let n = |st: &str| by.iter().find(|(s, _)| *s == st).map_or(0, |x| x.1);
         let (done, records, bytes) = self.meter.totals();
         let (listed, listing) = self.plan.lock().map_or((0, false), |p| *p);

@@ -296,6 +296,23 @@ pub fn per_collection() -> std::collections::BTreeMap<String, std::collections::
         .collect()
 }
 
+/// Every reference repo, served as itself (what [`start`] takes for the reference PDS).
+#[must_use]
+pub fn every_repo() -> HashMap<String, String> {
+    crate::fold::reference().into_keys().map(|d| (d.clone(), d)).collect()
+}
+
+/// The settings that point the binary at the PLC at `plc_url` (naming the test PDS), with
+/// loopback addresses allowed and repo sync on: what a test of a repair adds to its env.
+#[must_use]
+pub fn repair_env(plc_url: &str) -> [(&'static str, String); 3] {
+    [
+        ("FIREKEEPER_PLC_URL", plc_url.to_owned()),
+        ("FIREKEEPER_ALLOW_PRIVATE_ADDRESSES", "true".to_owned()),
+        ("FIREKEEPER_RESYNC", "true".to_owned()),
+    ]
+}
+
 /// The reference DID documents (DID → JSON), their PDS at `base`.
 ///
 /// # Panics
