@@ -97,7 +97,7 @@ impl NatsStore {
 
     /// The key of a repo's state: `repo.` and the DID with every character a KV key
     /// cannot hold written `=XX` (hex).
-    fn repo_key(did: &str) -> String {
+    pub(crate) fn repo_key(did: &str) -> String {
         use std::fmt::Write as _;
         let mut k = String::with_capacity(5 + did.len());
         k.push_str("repo.");
@@ -112,7 +112,7 @@ impl NatsStore {
     }
 
     /// The DID of a repo key.
-    fn repo_did(key: &str) -> Option<String> {
+    pub(crate) fn repo_did(key: &str) -> Option<String> {
         let enc = key.strip_prefix("repo.")?.as_bytes();
         let mut out = Vec::with_capacity(enc.len());
         let mut i = 0;
