@@ -105,6 +105,30 @@ impl Term {
         self.0.cancel.cancelled().await;
     }
 
+    /// A bound for work done under another process's term: a repo-sync job a standby
+    /// claimed from the shared queue, written under the publishing term's `token`. Active
+    /// for `span` on `clock`, longer with each [`Term::lend_more`]; ended by cancelling
+    /// [`Term::cancellation`] (the claim was lost).
+    #[must_use]
+    pub fn lent(instance: &str, token: u64, clock: Arc<dyn Clock>, span: Duration) -> Self {
+        let (done, _) = oneshot::channel();
+        let deadline = clock.now() + span;
+        Term(Arc::new(TermInner {
+            instance: instance.into(),
+            token,
+            epoch: 0,
+            deadline_ns: AtomicU64::new(u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX)),
+            cancel: CancellationToken::new(),
+            clock,
+            _done: done,
+        }))
+    }
+
+    /// Moves a lent term's deadline to `span` from now (never earlier).
+    pub fn lend_more(&self, span: Duration) {
+        self.extend_to(self.0.clock.now() + span);
+    }
+
     fn extend_to(&self, deadline: Duration) {
         self.0.deadline_ns.fetch_max(u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX), Ordering::AcqRel);
     }
