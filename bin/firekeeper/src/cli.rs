@@ -111,6 +111,17 @@ pub enum ReposAction {
         #[arg(long)]
         addr: Option<std::net::SocketAddr>,
     },
+    /// Repo sync as a person watches it: on the leader the queue, the rates, the backfill
+    /// and the ETA, the shared queue and each replica's rate (two reads of `/status`,
+    /// `--every` seconds apart); on another replica its own jobs.
+    Progress {
+        /// The replica's HTTP address (as for `list`).
+        #[arg(long)]
+        addr: Option<std::net::SocketAddr>,
+        /// Seconds between the two reads the replicas' rates come from.
+        #[arg(long, default_value_t = 2)]
+        every: u64,
+    },
     /// Queue resyncs of these repos on the leader (`POST /repos/resync`, with the bearer
     /// token `FIREKEEPER_ADMIN_TOKEN`): each is fetched from its PDS, verified whole and
     /// handed to the sink as a snapshot. A `gone` or `failed` repo starts over.

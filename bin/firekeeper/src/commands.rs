@@ -222,6 +222,49 @@ pub async fn repos_show(cfg: &Config, did: &str, addr: Option<std::net::SocketAd
     }
 }
 
+/// Prints repo sync's progress as a replica shows it at `/status` (see `repos progress`).
+pub async fn repos_progress(cfg: &Config, addr: Option<std::net::SocketAddr>, every: u64) -> Result<()> {
+    let status = async || -> Result<serde_json::Value> {
+        let (_, body) = ask(cfg, addr, "GET", "/status", None).await?;
+        serde_json::from_str(&body).context("not the JSON of /status")
+    };
+    let first = status().await?;
+    let role = first["role"].as_str().unwrap_or("unknown").to_owned();
+    say!("{} ({role})", first["instance"].as_str().unwrap_or("?"))?;
+    match consumer::progress::Progress::from_json(&first["repo_sync"]) {
+        Some(p) if role == "leader" => say!("repo sync: {}", p.line())?,
+        Some(_) => say!("repo sync: the leader works the queue; ask it for the whole of it")?,
+        None => say!("repo sync: off on this replica")?,
+    }
+    let jobs = &first["sync_jobs"];
+    if !jobs.is_object() {
+        return say!("repo sync is not shared: the leader fetches every repo itself");
+    }
+    say!(
+        "this replica's workers: {} ({} in flight, {} done, {} records, {} late)",
+        jobs["workers"],
+        jobs["in_flight"],
+        jobs["done"],
+        jobs["records"],
+        jobs["late"]
+    )?;
+    if role != "leader" {
+        return Ok(());
+    }
+    say!("shared queue: {} waiting, {} claimed", jobs["queued"], jobs["claimed"])?;
+    tokio::time::sleep(Duration::from_secs(every.max(1))).await;
+    let second = status().await?;
+    let (before, after) = (&first["sync_jobs"]["by_replica"], &second["sync_jobs"]["by_replica"]);
+    for (instance, now) in after.as_object().into_iter().flatten() {
+        let done = now["done"].as_u64().unwrap_or(0);
+        let delta = done.saturating_sub(before[instance]["done"].as_u64().unwrap_or(0));
+        let records = now["records"].as_u64().unwrap_or(0);
+        let rate = delta as f64 / every.max(1) as f64;
+        say!("  {instance}: {done} repos ({records} records) landed, {rate:.1} repos/s now")?;
+    }
+    Ok(())
+}
+
 /// Asks the leader to resync repos (`POST /repos/resync`, bearer `FIREKEEPER_ADMIN_TOKEN`).
 pub async fn repos_resync(cfg: &Config, dids: &[String], addr: Option<std::net::SocketAddr>) -> Result<()> {
     let token =

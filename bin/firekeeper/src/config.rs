@@ -330,6 +330,31 @@ fn repo_sync(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>)
     }
 }
 
+/// True when `store` keeps a shared repo-sync queue every replica can work.
+#[must_use]
+pub fn has_job_queue(store: StoreKind) -> bool {
+    matches!(store, StoreKind::Redis | StoreKind::Nats)
+}
+
+/// `FIREKEEPER_SYNC_WORKERS=0` (this replica takes no jobs) needs a queue shared with
+/// replicas that do: a Redis store and a sink every replica reaches.
+fn shared_sync(store: StoreKind, sink: &SinkKind, options: &consumer::Options, errors: &mut Vec<String>) {
+    let r = &options.resync;
+    let shared = r.share && has_job_queue(store) && !matches!(sink, SinkKind::Jsonl(_));
+    if r.claim_idle < std::time::Duration::from_secs(1) {
+        errors.push(
+            "FIREKEEPER_SYNC_CLAIM_MS must be at least 1000 (workers touch their claims every sixth of it)".into(),
+        );
+    }
+    if r.enabled && r.workers == 0 && !shared {
+        errors.push(
+            "FIREKEEPER_SYNC_WORKERS=0 means this replica takes no repo-sync jobs, which needs a queue shared with replicas that do: \
+             FIREKEEPER_CURSOR_STORE=redis or nats, a sink every replica reaches (not jsonl) and FIREKEEPER_SYNC_SHARED=true"
+                .into(),
+        );
+    }
+}
+
 fn check_pairing(r: &Raw, store: StoreKind, sink: &SinkKind, lease: LeaseKind, errors: &mut Vec<String>) {
     let database = r.database_url.is_some();
     if (*sink == SinkKind::Postgres || store == StoreKind::Postgres) && !database {
@@ -368,6 +393,7 @@ impl TryFrom<Raw> for Config {
         check_pairing(&r, store, &sink, lease_backend, &mut errors);
         let mut options = r.options.clone();
         repo_sync(&r, &mut options, &mut errors);
+        shared_sync(store, &sink, &options, &mut errors);
         // Large repos fetched for resync spill to the data directory.
         options.resync.limits.spill_dir.clone_from(&r.data_dir);
         // The verifier's per-repo chains are as many as the chain check's.

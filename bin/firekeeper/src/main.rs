@@ -136,6 +136,9 @@ async fn dispatch(cfg: Config, command: Command) -> Result<()> {
         Command::Repos { action: ReposAction::Resync { dids, addr } } => {
             commands::repos_resync(&cfg, &dids, addr).await
         }
+        Command::Repos { action: ReposAction::Progress { addr, every } } => {
+            commands::repos_progress(&cfg, addr, every).await
+        }
         Command::Repos { action: ReposAction::Check { did } } => commands::repo_check(&cfg, &did).await,
         Command::Capture { file, cursor, limit, seconds } => {
             commands::capture(&cfg, &file, cursor, limit, seconds).await
@@ -167,6 +170,7 @@ async fn run(cfg: Config) -> Result<()> {
         .options(cfg.options.clone())
         .shared_store(stores::open_store(&cfg).await?)
         .shared_handler(stores::open_sink(&cfg).await?)
+        .jobs(stores::open_jobs(&cfg).await?)
         .shadow(Some(Arc::new(consumer::ShadowFile::new(&stores::shadow_file(&cfg)))))
         .deployment(cfg.deployment())
         .allow_settings_change(cfg.allow_settings_change);

@@ -158,6 +158,14 @@ fn count<T: TryFrom<usize>>(v: &str, max: usize) -> Result<T, String> {
     }
 }
 
+/// A count that may be 0.
+fn count_or_zero(v: &str, max: usize) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(format!("must be a whole number in 0..={max}")),
+    }
+}
+
 /// What the environment sets, typed, before the settings are checked against each other
 /// ([`crate::config::Config`]'s `TryFrom`). Its `Default` is the libraries' defaults.
 #[derive(Debug, Clone)]
@@ -450,7 +458,10 @@ pub const SETTINGS: &[Setting] = &[
     text!("FIREKEEPER_BACKFILL_HOST", Kind::Endpoint, backfill_host, "the primary relay (`wss://` as `https://`)", "the host whose `listRepos` `FIREKEEPER_BACKFILL=all` walks (a relay, or a PDS for its own repos), or whose `listReposByCollection` `FIREKEEPER_BACKFILL=collections` walks (a relay); after an accepted gap, the repos this leader handed over are reconciled against its `listRepos` revs"),
     setting!("FIREKEEPER_BACKFILL_DIDS", Kind::Text, |r, v| r.options.resync.backfill = backfill_dids(v)?, |d| d.options.resync.backfill.len().to_string() + " DIDs", "repos to backfill with repo sync: DIDs separated by commas or whitespace, or `@<path>` of a file of them; each is fetched from its PDS once and handed to the sink as a `#resync` and its `#record`s (reason `backfill`), after the repairs of broken repos; the list's position is kept in the cursor store, so a new leader goes on where the last stopped (keep the list the same across replicas and restarts)"),
     text!("FIREKEEPER_SYNC_SOURCE", Kind::Endpoint, sync_source, "`pds`", "where repo sync asks `getRepo`: `pds` (the repo's PDS, from its DID document), `relay` (the primary relay, which answers with a redirect to the PDS; at most 3 redirects are followed, each address guarded) or an `http(s)://` host; the signing key always comes from the DID document"),
-    count!("FIREKEEPER_SYNC_WORKERS", 1024, options.resync.workers, "repos fetched for resync at a time"),
+    setting!("FIREKEEPER_SYNC_WORKERS", Kind::Count, |r, v| r.options.resync.workers = count_or_zero(v, 1024)?, |d| d.options.resync.workers.to_string(), "repos fetched for repo sync at a time: by the leader, or with a shared queue (`FIREKEEPER_SYNC_SHARED`) by this replica's workers, whether it leads or stands by; `0`: this replica takes no jobs (only with a shared queue)"),
+    setting!("FIREKEEPER_SYNC_BIND", Kind::Text, |r, v| r.options.resync.bind = Some(v.parse().map_err(|_| "must be an IP address of this machine".to_owned())?), |d| d.options.resync.bind.map_or_else(|| "the system's choice".to_owned(), |a| a.to_string()), "the local address repo sync fetches repos from (`getRepo`, DID documents go their own way): give each replica its own egress address, so that each has its own per-address budget at the PDSs (a PDS limits `getRepo` per IP)"),
+    millis!("FIREKEEPER_SYNC_CLAIM_MS", options.resync.claim_idle, "with a shared repo-sync queue: a job claim not touched for this long passes to another replica's worker (the one that had it died, froze or was cut off); a worker touches its claims every sixth of it and stops writing after two thirds of it without a touch the queue took, so a late worker has stopped before the job moves on"),
+    choice!("FIREKEEPER_SYNC_SHARED", bool, options.resync.share, "repo sync across replicas: with the Redis or NATS cursor store and a sink every replica reaches (webhook, NATS, null; not jsonl, and not yet Postgres, whose cursor store has no shared queue), the leader publishes each repo to fetch to a shared queue (a Redis stream with a consumer group; a NATS `JetStream` work-queue stream with a KV bucket) and every replica's workers claim jobs, fetch and verify the repo, and write its snapshot to the sink under the leader's fencing token; a claim not touched for `FIREKEEPER_SYNC_CLAIM_MS` passes to another worker, and a late worker's apply is refused; the leader holds the repo's live events until the job has landed; `false`: the leader fetches every repo itself"),
     count!("FIREKEEPER_SYNC_MEMORY_BYTES", 1 << 31, options.resync.limits.memory_bytes, "a fetched repo's CAR is kept in memory up to this size; a larger one is written to a temporary file in `FIREKEEPER_DATA_DIR` (removed after) and read back by offset, so memory does not grow with the repo: a repo's records reach the sink 4,096 at a time, and a million-record repo needs tens of MiB (the index of its blocks)"),
     millis!("FIREKEEPER_RESYNC_RETRY_MS", options.resync.retry_first, "the first retry of a failed resync waits this long, doubling (with jitter) to an hour; a rate-limited host's `Retry-After`/`RateLimit-Reset` is waited out instead; a repo the PDS says is gone waits for an event of it"),
     count!("FIREKEEPER_RESYNC_ATTEMPTS", 1000, options.resync.attempts, "failed resyncs of a repo before it is listed as `failed` (until an event of it or an operator queues it again)"),

@@ -91,6 +91,23 @@ pub async fn open_store(cfg: &Config) -> Result<Arc<dyn CursorStore>> {
     })
 }
 
+/// Opens the shared repo-sync queue of `cfg`'s store, where it keeps one.
+pub async fn open_jobs(cfg: &Config) -> Result<Option<Arc<dyn checkpoint::JobQueue>>> {
+    let op = cfg.lease.op_timeout.max(std::time::Duration::from_secs(2));
+    Ok(match cfg.store {
+        StoreKind::Redis => {
+            let url = cfg.redis_url.as_deref().context("REDIS_URL")?;
+            let keys = RedisKeys::new(&cfg.lease.key_prefix, None);
+            Some(Arc::new(checkpoint::RedisJobs::new(url, &keys, op)?))
+        }
+        StoreKind::Nats => {
+            let idle = cfg.options.resync.claim_idle;
+            Some(Arc::new(checkpoint::NatsJobs::new(&nats(cfg).await?, &cfg.lease.key_prefix, idle)))
+        }
+        StoreKind::File | StoreKind::Postgres => None,
+    })
+}
+
 /// Opens the sink for `cfg`.
 pub async fn open_sink(cfg: &Config) -> Result<Arc<dyn Handler>> {
     Ok(match &cfg.sink {

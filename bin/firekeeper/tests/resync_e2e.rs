@@ -407,12 +407,7 @@ async fn a_leader_lost_during(freeze: bool, store: &Store, backfill: bool) {
             && v["repos"].as_array().into_iter().flatten().any(|d| d["repo"] == RLARGE && d["state"] == "resyncing")
     })
     .await;
-    if freeze {
-        testkit::sigstop(a.id());
-    } else {
-        a.kill().expect("kill");
-        let _ = a.wait();
-    }
+    testkit::lose(&mut a, freeze);
     let mut env_b = env.clone();
     env_b.insert("FIREKEEPER_HTTP_ADDR".into(), addr_b.clone());
     let b = firekeeper(&env_b, &[], &dir.join("b.log"));
@@ -424,9 +419,7 @@ async fn a_leader_lost_during(freeze: bool, store: &Store, backfill: bool) {
     .await;
     if freeze {
         // The frozen leader wakes with its download answered: its term is over.
-        assert!(
-            std::process::Command::new("kill").args(["-CONT", &a.id().to_string()]).status().expect("kill").success()
-        );
+        testkit::sigcont(a.id());
         tokio::time::sleep(std::time::Duration::from_secs(6)).await;
     }
     let _ = a.kill();
@@ -917,4 +910,255 @@ async fn after_an_outdated_cursor_the_repos_that_moved_are_resynchronised() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_future_cursor_taken_live_the_repos_that_moved_are_resynchronised() {
     after_a_gap(Lost::Renumbered).await;
+}
+
+/// Repo sync across replicas (`FIREKEEPER_SYNC_SHARED`): three replicas with one worker
+/// each, on Redis, with the webhook sink, backfill the reference PDS's repos, each served
+/// slowly so that the jobs spread: each repo's snapshot is written once, by more than one
+/// replica between them, and the fold of what the webhook received equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_a_backfill_on_redis() {
+    three_replicas_share_a_backfill(&Store::Redis).await;
+}
+
+/// The same with the lease, the cursor store and the queue in NATS (`JetStream`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_a_backfill_on_nats() {
+    three_replicas_share_a_backfill(&Store::Nats).await;
+}
+
+async fn three_replicas_share_a_backfill(store: &Store) {
+    let dids: Vec<String> = testkit::fold::reference().into_keys().collect();
+    let slow: HashMap<String, std::time::Duration> =
+        dids.iter().map(|d| (d.clone(), std::time::Duration::from_millis(600))).collect();
+    let base = testkit::pds::start_slow(every_repo(), slow).await;
+    let dir = tmpdir("shared-backfill");
+    let World { mut env, plc: _plc, _relay, .. } = world(&base, resync_frames(), &dir).await;
+    let (mut _redis, mut _nats) = (None, None);
+    if let Store::Nats = store {
+        let nats = testkit::NatsServer::start();
+        env.insert("NATS_URL".into(), nats.url());
+        _nats = Some(nats);
+    } else {
+        let redis = testkit::RedisServer::start();
+        env.insert("REDIS_URL".into(), redis.url());
+        _redis = Some(redis);
+    }
+    let hook = testkit::http::Collector::start().await;
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    env.insert("FIREKEEPER_SYNC_WORKERS".into(), "1".into());
+    let list = dir.join("dids.txt");
+    std::fs::write(&list, dids.join("\n")).expect("list");
+    env.insert("FIREKEEPER_BACKFILL_DIDS".into(), format!("@{}", list.display()));
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+    let children: Vec<_> = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, addr)| {
+            let mut e = env.clone();
+            e.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+            firekeeper(&e, &[], &dir.join(format!("r{i}.log")))
+        })
+        .collect();
+    let mut leader = None;
+    eventually("the backfill done by the replicas", WAIT, async || {
+        for a in &addrs {
+            if settled(a, "backfill", 9).await {
+                leader = Some(a.clone());
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    // What a person sees: every replica that wrote snapshots, with how many landed.
+    let leader = leader.expect("a leader");
+    eventually("the leader sees the shared queue empty", WAIT, async || {
+        let Some((200, body)) = http_get(&leader, "/status").await else { return false };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["sync_jobs"]["queued"] == 0 && v["sync_jobs"]["claimed"] == 0
+    })
+    .await;
+    let out = run_once(&env, &["repos", "progress", "--addr", &leader, "--every", "1"]);
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && shown.contains("(leader)") && shown.contains("shared queue: 0 waiting, 0 claimed"),
+        "{shown}"
+    );
+    let landed: u64 = shown
+        .lines()
+        .filter(|l| l.starts_with("  fk-"))
+        .filter_map(|l| l.split_once(": ")?.1.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(landed, 9, "each replica's landed jobs: {shown:?}");
+    let mut done = Vec::new();
+    for a in &addrs {
+        let (_, body) = http_get(a, "/status").await.expect("status");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+        done.push(v["sync_jobs"]["done"].as_u64().expect("sync_jobs on every replica"));
+    }
+    for c in children {
+        assert!(sigterm_and_wait(c).success());
+    }
+    assert_eq!(done.iter().sum::<u64>(), 9, "each repo's job done once: {done:?}");
+    assert!(done.iter().filter(|n| **n > 0).count() >= 2, "the jobs spread over the replicas: {done:?}");
+    let text = hook.text();
+    for did in &dids {
+        let n = text.lines().filter(|l| l.contains("\"#resync\"") && l.contains(did.as_str())).count();
+        assert_eq!(n, 1, "{did}: its snapshot written once");
+    }
+    assert_reference(&testkit::fold::jsonl(&text));
+}
+
+/// A worker lost in the middle of a shared job's download: the leader takes no jobs
+/// (`FIREKEEPER_SYNC_WORKERS=0`), worker B claims the large repo (served in 4 s) and is
+/// killed or frozen; worker C takes the job over once B's claim has been idle for
+/// `FIREKEEPER_SYNC_CLAIM_MS` and writes the snapshot. A frozen B wakes with its
+/// download answered and writes nothing. The snapshot is written once and folds to the
+/// reference.
+async fn a_worker_lost_mid_download(freeze: bool) {
+    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
+    let base = testkit::pds::start_slow(every_repo(), slow).await;
+    let dir = tmpdir(if freeze { "worker-freeze" } else { "worker-kill" });
+    let World { mut env, plc: _plc, _relay, .. } = world(&base, resync_frames(), &dir).await;
+    let redis = testkit::RedisServer::start();
+    let hook = testkit::http::Collector::start().await;
+    env.insert("REDIS_URL".into(), redis.url());
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    env.insert("FIREKEEPER_SYNC_CLAIM_MS".into(), "2000".into());
+    env.insert("FIREKEEPER_BACKFILL_DIDS".into(), RLARGE.into());
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let start = |name: &str, workers: &str| {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut e = env.clone();
+        e.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+        e.insert("FIREKEEPER_SYNC_WORKERS".into(), workers.into());
+        (firekeeper(&e, &[], &dir.join(format!("{name}.log"))), addr)
+    };
+    let (a, addr_a) = start("a", "0");
+    eventually("a leads", WAIT, async || {
+        http_get(&addr_a, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
+    })
+    .await;
+    let (mut b, addr_b) = start("b", "1");
+    eventually("b has claimed the large repo's job", WAIT, async || {
+        let Some((200, body)) = http_get(&addr_b, "/status").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["sync_jobs"]["in_flight"] == 1)
+    })
+    .await;
+    testkit::lose(&mut b, freeze);
+    let (c, _) = start("c", "1");
+    eventually("the job taken over and landed", WAIT, async || settled(&addr_a, "backfill", 1).await).await;
+    if freeze {
+        // B wakes with its download answered (the PDS answered while it was stopped).
+        testkit::sigcont(b.id());
+        eventually("b's job over", WAIT, async || {
+            let Some((200, body)) = http_get(&addr_b, "/status").await else { return false };
+            serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["sync_jobs"]["in_flight"] == 0)
+        })
+        .await;
+    }
+    let _ = b.kill();
+    let _ = b.wait();
+    assert!(sigterm_and_wait(c).success());
+    assert!(sigterm_and_wait(a).success());
+    let text = hook.text();
+    let large = text.lines().filter(|l| l.contains("\"#resync\"") && l.contains(RLARGE)).count();
+    assert_eq!(large, 1, "the large repo's snapshot is written once (by the worker that took the job over)");
+    if freeze {
+        let log = std::fs::read_to_string(dir.join("b.log")).expect("log");
+        assert!(log.contains("late: "), "b says why it writes nothing: {log}");
+    }
+    let folded = testkit::fold::jsonl(&text);
+    let (count, digest) = testkit::fold::reference()[RLARGE].clone();
+    let got = folded.get(RLARGE).cloned().unwrap_or_default();
+    assert_eq!(
+        (got.len() as u64, testkit::fold::digest(&got)),
+        (count, digest),
+        "the large repo folds to the reference"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_download_loses_its_job_to_another() {
+    a_worker_lost_mid_download(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_frozen_past_its_claim_writes_nothing_when_it_wakes() {
+    a_worker_lost_mid_download(true).await;
+}
+
+/// A chain break repaired by a shared job, in its place in the stream: the leader takes no
+/// jobs (`FIREKEEPER_SYNC_WORKERS=0`), a standby's worker does; the relay is paced and the
+/// large repo served slowly, so the rest of the capture's events of the broken repos
+/// arrive while their jobs are out. The leader holds them, drops those the snapshot covers once it has
+/// landed, and commits the whole capture; the fold of what the webhook received equals the
+/// reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_break_is_repaired_by_another_replica_in_its_place() {
+    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(2))]);
+    let base = testkit::pds::start_slow(every_repo(), slow).await;
+    let dir = tmpdir("shared-repair");
+    // Paced, so that the broken repos' later events arrive while their jobs are out.
+    let paced = relay_sim::SimConfig { rate: Some(80), initial_head: Some(0), ..relay_sim::SimConfig::default() };
+    let World { mut env, addr, plc: _plc, _relay, .. } = world_with(&base, resync_frames(), paced, &dir).await;
+    let redis = testkit::RedisServer::start();
+    let hook = testkit::http::Collector::start().await;
+    env.insert("REDIS_URL".into(), redis.url());
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let mut env_a = env.clone();
+    env_a.insert("FIREKEEPER_SYNC_WORKERS".into(), "0".into());
+    let a = firekeeper(&env_a, &[], &dir.join("a.log"));
+    eventually("a leads", WAIT, async || {
+        http_get(&addr, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
+    })
+    .await;
+    let mut env_b = env.clone();
+    env_b.insert("FIREKEEPER_HTTP_ADDR".into(), format!("127.0.0.1:{}", free_port()));
+    let b = firekeeper(&env_b, &[], &dir.join("b.log"));
+    eventually("the capture committed and both repos repaired", WAIT, async || {
+        let Some((200, body)) = http_get(&addr, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        let Some((200, metrics)) = http_get(&addr, "/metrics").await else { return false };
+        v["role"] == "leader" && v["committed"] == 508 && v["desynchronized"] == 0 && resyncs_done(&metrics) >= 2
+    })
+    .await;
+    let (_, metrics) = http_get(&addr, "/metrics").await.expect("metrics");
+    assert!(sigterm_and_wait(b).success());
+    assert!(sigterm_and_wait(a).success());
+    let log_b = std::fs::read_to_string(dir.join("b.log")).expect("log");
+    assert!(log_b.contains("(a shared job)"), "the standby wrote the snapshots: {log_b}");
+    let covered = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("firekeeper_resync_covered_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let text = hook.text();
+    std::fs::write(dir.join("hook.jsonl"), &text).expect("kept for a look");
+    assert!(covered > 0, "events the snapshots cover were held and dropped: {metrics}");
+    let lines: Vec<serde_json::Value> =
+        text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line")).collect();
+    let events: Vec<serde_json::Value> = lines.iter().map(|l| l["event"].clone()).collect();
+    // Held while its job was out: the large repo's events from well after its break (seq
+    // 468; the job's turn comes within a few events at 80 a second) are not written before
+    // its snapshot (those it covers are never written).
+    let resync = events.iter().position(|e| e["type"] == "#resync" && e["repo"] == RLARGE).expect("a snapshot");
+    let early = lines[..resync].iter().filter(|l| l["event"]["repo"] == RLARGE && l["seq"].as_u64() >= Some(480));
+    assert_eq!(early.count(), 0, "the large repo's events during its job are held until it lands");
+    for did in [RLARGE, RSMALL2] {
+        let at = events.iter().position(|e| e["type"] == "#resync" && e["repo"] == did).expect("a snapshot");
+        let rev = events[at]["rev"].as_str().expect("rev").to_owned();
+        let late = events[at..].iter().filter(|e| e["type"] == "#commit" && e["repo"] == did);
+        assert!(
+            late.clone().all(|e| e["rev"].as_str() > Some(rev.as_str())),
+            "{did}: no commit the snapshot covers comes after it"
+        );
+    }
+    assert_reference(&testkit::fold::jsonl(&text));
 }

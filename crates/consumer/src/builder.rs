@@ -41,6 +41,7 @@ pub struct Builder {
     instance: Option<String>,
     clock: Arc<dyn Clock>,
     shadow: Option<Arc<dyn Shadow>>,
+    jobs: Option<Arc<dyn checkpoint::JobQueue>>,
     deployment: Deployment,
     allow_settings_change: bool,
 }
@@ -59,6 +60,7 @@ impl Builder {
             instance: None,
             clock: Arc::new(BootClock),
             shadow: None,
+            jobs: None,
             deployment: Deployment::default(),
             allow_settings_change: false,
         }
@@ -130,6 +132,15 @@ impl Builder {
         self
     }
 
+    /// The deployment's shared repo-sync queue (Redis Streams, NATS `JetStream`): with a
+    /// shared sink ([`Handler::is_shared`]) and `ResyncOptions::share`, the leader
+    /// publishes each repo to fetch there and every replica's workers claim them
+    /// ([`crate::shared`]). Without one, the leader fetches repos itself.
+    pub fn jobs(mut self, queue: Option<Arc<dyn checkpoint::JobQueue>>) -> Self {
+        self.jobs = queue;
+        self
+    }
+
     /// Settings of the caller's that change what downstream receives (the sink and its
     /// target, the key prefix), added to the consumer's own (relays, collections,
     /// verification) in the record compared between replicas.
@@ -178,6 +189,7 @@ impl Builder {
             clock: self.clock,
             status: StatusHandle::default(),
             shadow: self.shadow,
+            jobs: self.jobs,
         })
     }
 }

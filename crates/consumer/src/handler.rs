@@ -312,6 +312,10 @@ pub(crate) struct SnapshotParts {
     pub(crate) repo: Arc<repo_sync::snapshot::RepoSnapshot>,
     pub(crate) reason: Arc<str>,
     pub(crate) parts: repo_sync::snapshot::Parts,
+    /// Records given so far, the part read ahead, and whether the last was given.
+    at: u64,
+    ahead: Option<Result<Vec<repo_sync::snapshot::RepoRecord>, String>>,
+    over: bool,
 }
 
 impl SnapshotParts {
@@ -323,6 +327,41 @@ impl SnapshotParts {
     /// The commit's rev.
     pub(crate) fn rev(&self) -> &str {
         &self.repo.rev
+    }
+
+    /// A snapshot whose parts come from `parts`.
+    pub(crate) fn new(
+        repo: Arc<repo_sync::snapshot::RepoSnapshot>,
+        reason: Arc<str>,
+        parts: repo_sync::snapshot::Parts,
+    ) -> Self {
+        Self { repo, reason, parts, at: 0, ahead: None, over: false }
+    }
+
+    /// The next part, in order (one part read ahead, to know which is the last; a repo
+    /// with no records is the `#resync` alone); `None` after the last. A body that cannot
+    /// be read further is `Refused` (the repo is fetched again later).
+    pub(crate) async fn next_part(&mut self) -> Option<Result<Snapshot, HandlerError>> {
+        if self.over {
+            return None;
+        }
+        let part = match self.ahead.take() {
+            Some(p) => p,
+            None => self.parts.next().await.unwrap_or(Ok(Vec::new())),
+        };
+        let records = match part {
+            Ok(r) => r,
+            Err(why) => {
+                self.over = true;
+                return Some(Err(HandlerError::refused("repo sync", why)));
+            }
+        };
+        let after = if records.is_empty() { None } else { self.parts.next().await };
+        self.over = after.is_none();
+        self.ahead = after;
+        let now = Snapshot::part(self.repo.clone(), self.reason.clone(), records, self.at, self.over);
+        self.at += now.records().len() as u64;
+        Some(Ok(now))
     }
 }
 
@@ -540,6 +579,14 @@ pub trait Handler: Send + Sync + 'static {
     /// True when the handler takes repo snapshots ([`Handler::snapshot`]): repo sync
     /// (resync after a chain break or an invalid commit) runs only for such a handler.
     fn takes_snapshots(&self) -> bool {
+        false
+    }
+
+    /// True when every replica reaches the same downstream (a database, a webhook, a
+    /// stream), so a standby may write the snapshots of repo-sync jobs it claims from the
+    /// shared queue; a process's own output (a file, stdout) is not shared: only the
+    /// leader then fetches repos.
+    fn is_shared(&self) -> bool {
         false
     }
 

@@ -68,6 +68,7 @@ pub mod progress;
 pub mod resync;
 mod run;
 pub mod shadow;
+pub mod shared;
 pub mod status;
 mod term;
 pub mod verify;

@@ -87,6 +87,12 @@ pub const RESYNC_SECONDS: &str = "firekeeper_resync_duration_seconds";
 pub const RESYNC_PARKED_HOSTS: &str = "firekeeper_resync_parked_hosts";
 /// The leader's resync queue by state (`desynchronized`, `resyncing`, `gone`, `failed`).
 pub const RESYNC_QUEUE: &str = "firekeeper_resync_queue";
+/// Shared repo-sync jobs this replica's workers ended, by outcome.
+pub const SYNC_JOBS: &str = "firekeeper_sync_jobs_total";
+/// Shared repo-sync jobs this replica's workers have claimed and not ended.
+pub const SYNC_JOBS_IN_FLIGHT: &str = "firekeeper_sync_jobs_in_flight";
+/// Jobs in the shared repo-sync queue, by state (`queued`, `claimed`), as the leader sees it.
+pub const SYNC_QUEUE: &str = "firekeeper_sync_queue";
 /// Events dropped because a snapshot delivered before them covers them.
 pub const RESYNC_COVERED: &str = "firekeeper_resync_covered_total";
 
@@ -133,6 +139,18 @@ pub const ALL: &[Metric] = &[
     counter(RESYNC_RECORDS, "records delivered in resync snapshots", &[]),
     counter(RESYNC_BYTES, "bytes of repos fetched for resyncs", &[]),
     counter(RESYNC_COVERED, "events dropped because a resync snapshot delivered before them covers them", &[]),
+    counter(
+        SYNC_JOBS,
+        "shared repo-sync jobs this replica's workers ended, by outcome (done, late, stale, gone, later, failed, invalid, undelivered, dead)",
+        &[("outcome", "done")],
+    ),
+    gauge(SYNC_JOBS_IN_FLIGHT, "shared repo-sync jobs this replica's workers are working"),
+    Metric {
+        name: SYNC_QUEUE,
+        kind: MetricKind::Gauge,
+        help: "jobs in the shared repo-sync queue by state (queued, claimed), as the leader sees it; 0 on a standby",
+        labels: &[("state", "queued")],
+    },
     gauge(LEADER, "1 while this replica leads"),
     gauge(DESYNC_REPOS, "repos marked desynchronised (an invalid event, a broken chain): the resync queue"),
     gauge(VERIFY_HELD, "events held because their DID does not resolve now"),

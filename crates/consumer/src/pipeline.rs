@@ -17,6 +17,7 @@ use crate::chain::ChainBreaks;
 use crate::continuity::{Key, Memory, Times};
 use crate::handler::{BatchCtx, Event, Handler, HandlerError, Pending, Render, Snapshot, SnapshotParts, render};
 use crate::metrics as m;
+use crate::shared::JobResult;
 use crate::status::StatusHandle;
 use crate::verify::{Desync, Invalid, InvalidPolicy, Verdict, Verifier};
 
@@ -35,15 +36,53 @@ pub(crate) enum LaneStop {
     Invalid(Box<(u64, Invalid)>),
 }
 
-/// What a lane answers once a snapshot is written: `Err` says why it was not.
-pub(crate) type SnapshotDone = tokio::sync::oneshot::Sender<Result<(), String>>;
+/// What a lane answers once a snapshot lands: `Ok(None)` when the lane wrote it,
+/// `Ok(Some(result))` with a shared job's result; `Err` says why it was not written.
+pub(crate) type SnapshotDone = tokio::sync::oneshot::Sender<Result<Option<JobResult>, String>>;
 
-/// A snapshot handed to a lane: written once the lane has taken `after` events.
+/// What a snapshot's turn in a lane does.
+pub(crate) enum SnapshotWork {
+    /// Writes this verified snapshot beside the lane.
+    Local(SnapshotParts),
+    /// Publishes this job to the shared queue and waits for whichever replica claims it
+    /// to write the snapshot.
+    Remote(RemoteJob),
+}
+
+impl SnapshotWork {
+    /// The repo's DID.
+    pub(crate) fn did(&self) -> &str {
+        match self {
+            Self::Local(s) => s.did(),
+            Self::Remote(r) => &r.did,
+        }
+    }
+}
+
+/// A repo-sync job for the shared queue, published at its turn in the repo's lane.
+pub(crate) struct RemoteJob {
+    pub(crate) queue: Arc<dyn checkpoint::JobQueue>,
+    pub(crate) did: String,
+    /// Unique per publish: the term's token and a counter.
+    pub(crate) id: String,
+    pub(crate) reason: &'static str,
+    /// The newest rev (a TID value) of the repo handed over before the turn.
+    pub(crate) min_rev: Option<u64>,
+}
+
+/// A snapshot handed to a lane: its turn comes once the lane has taken `after` events.
 pub(crate) struct Staged {
     after: u64,
-    snapshot: SnapshotParts,
+    work: SnapshotWork,
     done: SnapshotDone,
 }
+
+/// Snapshots (and shared jobs) a lane has beside it at a time; a further turn waits.
+const BESIDE_MAX: usize = 64;
+
+/// Repos whose shared job landed that a lane remembers, to drop the late events their
+/// snapshot covers; past this the lane forgets them all.
+const LANE_COVERED_MAX: usize = 16_384;
 
 /// Events of the repo whose snapshot is being written that a lane holds back (in order,
 /// delivered after the snapshot); past this, the lane takes nothing more until it lands.
@@ -60,8 +99,26 @@ const BESIDE_WINDOW: usize = 1 << 16;
 struct Beside {
     did: String,
     held: VecDeque<Event>,
-    /// The snapshot's write; `false` when the lane must stop.
-    write: tokio::task::JoinHandle<bool>,
+    /// The snapshot's write (or the shared job's wait).
+    write: tokio::task::JoinHandle<Landing>,
+}
+
+/// How a snapshot beside a lane ended.
+#[derive(Debug, Clone, Copy)]
+struct Landing {
+    /// `false` when the lane must stop (reported on `done`).
+    go_on: bool,
+    /// A shared job's snapshot landed at this rev (a TID value): the repo's events at or
+    /// below it are covered (the local path's intake drops them itself).
+    covers: Option<u64>,
+}
+
+impl Landing {
+    const STOP: Self = Self { go_on: false, covers: None };
+
+    fn written(go_on: bool) -> Self {
+        Self { go_on, covers: None }
+    }
 }
 
 impl Drop for Beside {
@@ -70,13 +127,88 @@ impl Drop for Beside {
     }
 }
 
-/// The snapshot written beside the lane finishing (`false`: the lane must stop); never
-/// resolves when there is none.
-async fn beside_lands(b: &mut Option<Beside>) -> bool {
-    match b {
-        Some(b) => (&mut b.write).await.unwrap_or(false),
-        None => std::future::pending().await,
+/// A snapshot beside the lane landing: which, and how; never resolves when there is none.
+async fn beside_lands(bs: &mut [Beside]) -> (usize, Landing) {
+    if bs.is_empty() {
+        return std::future::pending().await;
     }
+    std::future::poll_fn(|cx| {
+        for (i, b) in bs.iter_mut().enumerate() {
+            if let std::task::Poll::Ready(r) = std::pin::Pin::new(&mut b.write).poll(cx) {
+                return std::task::Poll::Ready((i, r.unwrap_or(Landing::STOP)));
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+/// A snapshot beside the lane landed: a shared job's covers its repo's events at or below
+/// its rev (those held are done at once, later ones are dropped as they come); the rest
+/// of the held events go back to the front of the lane, in order.
+fn landed(
+    mut b: Beside,
+    covers: Option<u64>,
+    covered: &mut std::collections::HashMap<String, u64>,
+    carry: &mut VecDeque<Event>,
+    done: &mpsc::UnboundedSender<Done>,
+) {
+    let mut held = std::mem::take(&mut b.held);
+    if let Some(rev) = covers {
+        if covered.len() >= LANE_COVERED_MAX {
+            covered.clear();
+        }
+        covered.insert(b.did.clone(), rev);
+        let (gone, keep): (VecDeque<Event>, VecDeque<Event>) = held.into_iter().partition(|e| is_covered(covered, e));
+        held = keep;
+        if !gone.is_empty() {
+            metrics::counter!(m::RESYNC_COVERED).increment(gone.len() as u64);
+            let _ = done.send(Ok(gone.iter().map(Event::seq).collect()));
+        }
+    }
+    for e in held.into_iter().rev() {
+        carry.push_front(e);
+    }
+}
+
+/// What of a batch the lane hands over now: events a landed shared job covers are done
+/// at once, events of a repo with a snapshot beside the lane are held back with it.
+fn set_aside(
+    batch: Vec<Event>,
+    covered: &std::collections::HashMap<String, u64>,
+    besides: &mut [Beside],
+    done: &mpsc::UnboundedSender<Done>,
+) -> Vec<Event> {
+    if covered.is_empty() && besides.is_empty() {
+        return batch;
+    }
+    let mut rest = Vec::with_capacity(batch.len());
+    let mut gone = Vec::new();
+    for e in batch {
+        if !covered.is_empty() && is_covered(covered, &e) {
+            gone.push(e.seq());
+        } else if let Some(b) = besides.iter_mut().find(|b| e.did() == Some(b.did.as_str())) {
+            b.held.push_back(e);
+        } else {
+            rest.push(e);
+        }
+    }
+    if !gone.is_empty() {
+        metrics::counter!(m::RESYNC_COVERED).increment(gone.len() as u64);
+        let _ = done.send(Ok(gone));
+    }
+    rest
+}
+
+/// True when `e` is a commit or `#sync` of a repo whose shared job landed at or above
+/// its rev.
+fn is_covered(covered: &std::collections::HashMap<String, u64>, e: &Event) -> bool {
+    let (did, rev) = match e.message() {
+        relay_client::Message::Commit(c) => (c.repo, c.rev),
+        relay_client::Message::Sync(s) => (s.did, s.rev),
+        _ => return false,
+    };
+    matches!((covered.get(did), crate::chain::tid(rev)), (Some(&at), Some(r)) if r <= at)
 }
 
 /// Retries of a failed batch: 100 ms doubling to 10 s, jittered.
@@ -183,6 +315,7 @@ impl Pipeline {
                 render: shape.render.clone(),
                 verifier: shape.verifier.clone(),
                 memory: shape.verifier.as_ref().and(memory.cloned()),
+                chain: memory.cloned(),
                 chain_breaks: shape.chain_breaks,
                 status: shape.status.clone(),
                 store: shape.store.clone(),
@@ -349,9 +482,9 @@ impl Pipeline {
 
     /// Hands lane `lane` a snapshot to write after every event sent to it so far (the
     /// caller sent the lane's staged events first); `false` when the lane is gone.
-    pub(crate) fn push_snapshot(&mut self, lane: usize, snapshot: SnapshotParts, done: SnapshotDone) -> bool {
+    pub(crate) fn push_snapshot(&mut self, lane: usize, work: SnapshotWork, done: SnapshotDone) -> bool {
         debug_assert!(self.staged[lane].is_empty(), "staged events go before the snapshot");
-        let s = Staged { after: self.sent[lane], snapshot, done };
+        let s = Staged { after: self.sent[lane], work, done };
         self.snapshots[lane].send(s).is_ok()
     }
 
@@ -408,6 +541,9 @@ struct Lane {
     verifier: Option<Arc<Verifier>>,
     /// With a verifier: the term's memory, which takes an event only once it verified.
     memory: Option<Arc<Memory>>,
+    /// The term's memory whoever records it (intake without a verifier): a shared job's
+    /// snapshot continues the repo's chain.
+    chain: Option<Arc<Memory>>,
     chain_breaks: Option<ChainBreaks>,
     status: StatusHandle,
     store: Arc<dyn checkpoint::CursorStore>,
@@ -467,30 +603,37 @@ impl Lane {
         let mut taken: u64 = 0;
         let mut staged: Option<Staged> = None;
         let mut snapshots_open = true;
-        // The snapshot being written beside the lane, and the queue having closed.
-        let mut beside: Option<Beside> = None;
+        // The snapshots beside the lane, and the queue having closed.
+        let mut besides: Vec<Beside> = Vec::new();
         let mut closed = false;
+        // Repos whose shared job landed, and the rev it covers.
+        let mut covered: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         loop {
             let turn = staged.as_ref().is_some_and(|s| s.after <= taken);
-            if turn && beside.is_none() {
+            let may_start = staged
+                .as_ref()
+                .is_some_and(|s| besides.len() < BESIDE_MAX && !besides.iter().any(|b| b.did == s.work.did()));
+            if turn && may_start {
                 let s = staged.take().expect("a staged snapshot");
-                // Everything of the lane before it is durable first.
-                w.held = 0;
-                if !self.drain(&mut w.inflight, &done).await {
-                    return;
+                let did = s.work.did().to_owned();
+                // Everything of the repo before it is durable first.
+                if w.inflight.iter().any(|f| f.batch.iter().any(|e| e.did() == Some(did.as_str()))) {
+                    w.held = 0;
+                    if !self.drain(&mut w.inflight, &done).await {
+                        return;
+                    }
                 }
                 self.ctx.cursor_hold.set(true);
-                let did = s.snapshot.did().to_owned();
                 let (me, done) = (self.clone(), done.clone());
-                let write = tokio::spawn(async move { me.snapshot(s, &done).await });
-                beside = Some(Beside { did, held: VecDeque::new(), write });
+                let write = tokio::spawn(async move { me.beside(s, &done).await });
+                besides.push(Beside { did, held: VecDeque::new(), write });
                 continue;
             }
-            if closed && carry.is_empty() && beside.is_none() {
+            if closed && carry.is_empty() && besides.is_empty() {
                 break;
             }
-            // A second snapshot's turn waits for the first to land; so does a full hold.
-            let held_full = beside.as_ref().is_some_and(|b| b.held.len() >= HOLD_MAX);
+            // A turn that cannot start yet waits for a snapshot to land; so does a full hold.
+            let held_full = besides.iter().any(|b| b.held.len() >= HOLD_MAX);
             let room =
                 (w.inflight.is_empty() || w.held < ahead) && !turn && !held_full && !(closed && carry.is_empty());
             let limit = staged.as_ref().map_or(usize::MAX, |s| usize::try_from(s.after - taken).unwrap_or(usize::MAX));
@@ -503,16 +646,13 @@ impl Lane {
                         return;
                     }
                 }
-                ok = beside_lands(&mut beside) => {
-                    let mut b = beside.take().expect("a snapshot beside");
-                    if !ok {
+                (i, landing) = beside_lands(&mut besides) => {
+                    let b = besides.swap_remove(i);
+                    if !landing.go_on {
                         return;
                     }
-                    // Its repo's events go on, before any later one of it.
-                    for e in std::mem::take(&mut b.held).into_iter().rev() {
-                        carry.push_front(e);
-                    }
-                    self.ctx.cursor_hold.set(false);
+                    landed(b, landing.covers, &mut covered, &mut carry, &done);
+                    self.ctx.cursor_hold.set(!besides.is_empty());
                 }
                 s = snapshots.recv(), if staged.is_none() && snapshots_open => match s {
                     Some(s) => staged = Some(s),
@@ -526,14 +666,9 @@ impl Lane {
                     carry.extend(chunk);
                     let mut batch = self.next_batch(&mut carry, &mut rx, limit);
                     taken += batch.len() as u64;
-                    if let Some(b) = &mut beside {
-                        let (held, rest): (Vec<Event>, Vec<Event>) =
-                            batch.into_iter().partition(|e| e.did() == Some(b.did.as_str()));
-                        b.held.extend(held);
-                        batch = rest;
-                        if batch.is_empty() {
-                            continue;
-                        }
+                    batch = set_aside(batch, &covered, &mut besides, &done);
+                    if batch.is_empty() {
+                        continue;
                     }
                     let mut seqs: Vec<u64> = Vec::new();
                     let Some(stop) = self.prepare(&mut batch, &mut seqs, &mut scratch, &done).await else { return };
@@ -556,36 +691,64 @@ impl Lane {
         self.drain(&mut w.inflight, &done).await;
     }
 
+    /// A snapshot's turn beside the lane: written here, or a shared job published and
+    /// waited for.
+    async fn beside(&self, s: Staged, done: &mpsc::UnboundedSender<Done>) -> Landing {
+        match s.work {
+            SnapshotWork::Local(sp) => Landing::written(self.snapshot(sp, s.done, done).await),
+            SnapshotWork::Remote(job) => self.remote(job, s.done, done).await,
+        }
+    }
+
+    /// A shared job's turn: published (everything of the repo before it is durable),
+    /// then waited for; once its snapshot landed the repo's chain continues from it. Tells
+    /// whoever staged it the job's result.
+    async fn remote(&self, job: RemoteJob, answer: SnapshotDone, done: &mpsc::UnboundedSender<Done>) -> Landing {
+        let did = job.did.clone();
+        let result = match crate::shared::publish_and_wait(&job, &self.ctx).await {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = answer.send(Err(e.to_string()));
+                let _ = done.send(Err(LaneStop::Handler(e)));
+                return Landing::STOP;
+            }
+        };
+        let mut covers = None;
+        if let JobResult::Done { rev, data, .. } = &result {
+            covers = crate::chain::tid(rev);
+            if let (Some(v), Some(at), Some(data)) = (&self.verifier, covers, crate::shared::unhex(data)) {
+                v.resynced(self.index, &did, at, &data);
+            }
+            // Unless intake already recorded a newer commit of it (held here meanwhile).
+            if let (Some(m), Some(at)) = (&self.chain, covers)
+                && m.last_commit(self.index, &did).is_none_or(|last| last <= at)
+            {
+                m.record(self.index, Key::Sync { did: &did, rev });
+            }
+        }
+        let _ = answer.send(Ok(Some(result)));
+        Landing { go_on: true, covers }
+    }
+
     /// Writes a snapshot whose turn came, a part at a time, retrying a failed write while
     /// the term lasts, and tells whoever staged it how it went; `false` when the lane
     /// must stop.
-    async fn snapshot(&self, s: Staged, done: &mpsc::UnboundedSender<Done>) -> bool {
-        let Staged { snapshot: mut sp, done: answer, .. } = s;
-        let mut at = 0u64;
-        // A repo with no records (or none the filter keeps) is the `#resync` alone.
-        let mut part = sp.parts.next().await.unwrap_or(Ok(Vec::new()));
+    async fn snapshot(&self, mut sp: SnapshotParts, answer: SnapshotDone, done: &mpsc::UnboundedSender<Done>) -> bool {
         let r = loop {
-            let records = match part {
-                Ok(records) => records,
-                Err(why) => break Err(HandlerError::refused("repo sync", why)),
-            };
-            // One part ahead, to know whether this one is the last (the next renders
-            // meanwhile; parts are never empty, so an empty one is the only one).
-            let after = if records.is_empty() { None } else { sp.parts.next().await };
-            let part_now = Snapshot::part(sp.repo.clone(), sp.reason.clone(), records, at, after.is_none());
-            if let Err(e) = self.write_part(&part_now).await {
-                break Err(e);
-            }
-            at += part_now.records().len() as u64;
-            match after {
-                Some(next) => part = next,
+            match sp.next_part().await {
+                Some(Ok(part)) => {
+                    if let Err(e) = self.write_part(&part).await {
+                        break Err(e);
+                    }
+                }
+                Some(Err(e)) => break Err(e),
                 None => break Ok(()),
             }
         };
         match r {
             Ok(()) => {
                 self.status.sink_ok();
-                let _ = answer.send(Ok(()));
+                let _ = answer.send(Ok(None));
                 true
             }
             Err(e @ HandlerError::Refused { .. }) => {

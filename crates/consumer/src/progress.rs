@@ -156,6 +156,42 @@ impl Progress {
         self
     }
 
+    /// Reads what `/status` shows as `repo_sync` (for `firekeeper repos progress`); `None`
+    /// for anything else.
+    #[must_use]
+    pub fn from_json(v: &serde_json::Value) -> Option<Self> {
+        let n = |k: &str| v[k].as_u64();
+        let count = |k: &str| n(k).and_then(|x| usize::try_from(x).ok());
+        let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+        let b = &v["backfill"];
+        let backfill = b.is_object().then(|| Backfill {
+            listed_queued: b["listed_queued"].as_u64().and_then(|x| usize::try_from(x).ok()).unwrap_or(0),
+            listed: b["listed"].as_u64().and_then(|x| usize::try_from(x).ok()).unwrap_or(0),
+            listing: match b["listing"].as_str() {
+                Some("listing") => "listing",
+                Some("done") => "done",
+                _ => "off",
+            },
+        });
+        Some(Self {
+            queued: count("queued")?,
+            in_flight: count("in_flight")?,
+            done: n("done")?,
+            failed: count("failed").unwrap_or(0),
+            gone: count("gone").unwrap_or(0),
+            records: n("records").unwrap_or(0),
+            bytes: n("bytes").unwrap_or(0),
+            rates: Rates {
+                repos_per_second: f("repos_per_second"),
+                records_per_second: f("records_per_second"),
+                bytes_per_second: f("bytes_per_second"),
+            },
+            backfill,
+            eta_seconds: n("eta_seconds"),
+            eta_is_a_lower_bound: v["eta_is_a_lower_bound"].as_bool().unwrap_or(false),
+        })
+    }
+
     /// True when there is something to show: work left, or work done in the last minute.
     #[must_use]
     pub fn is_active(&self) -> bool {

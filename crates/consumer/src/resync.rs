@@ -61,7 +61,8 @@ pub mod reason {
 pub struct ResyncOptions {
     /// Resync desynchronised repos from their PDS (with a handler that takes snapshots).
     pub enabled: bool,
-    /// Repos fetched at a time.
+    /// Repos fetched at a time: by the leader, or with a shared queue by this replica's
+    /// workers (0: this replica takes no jobs).
     pub workers: usize,
     /// The first retry of a failed resync waits this long, doubling to `retry_max`.
     pub retry_first: Duration,
@@ -87,6 +88,15 @@ pub struct ResyncOptions {
     /// host's `com.atproto.sync.listRepos` revs, and those that moved are resynchronised
     /// (`None`: no reconcile).
     pub reconcile_host: Option<String>,
+    /// With a shared queue and a shared sink (see `Builder::jobs`), the leader publishes
+    /// repos to fetch to the queue and every replica with `workers` > 0 works them.
+    pub share: bool,
+    /// The local address repo sync fetches from (`None`: the system's choice): a replica's
+    /// own egress address, so that each has its own per-address budget at the PDSs.
+    pub bind: Option<std::net::IpAddr>,
+    /// With a shared queue: a job claim not touched for this long passes to another
+    /// worker (its own died, froze or was cut off).
+    pub claim_idle: Duration,
     /// Where `getRepo` is asked: `None` the repo's PDS (from its DID document), else this
     /// host (a relay, which redirects to the PDS; redirects are followed, at most 3).
     pub source: Option<String>,
@@ -105,6 +115,9 @@ impl Default for ResyncOptions {
             backfill_list: None,
             backfill_collections: Vec::new(),
             reconcile_host: None,
+            share: true,
+            claim_idle: crate::shared::CLAIM_IDLE,
+            bind: None,
             source: None,
         }
     }
@@ -117,7 +130,7 @@ pub(crate) const STALE: &str = "stale: a newer commit of the repo was handed ove
 
 /// A verified snapshot for the term to stage in its repo's lane.
 pub(crate) struct Ready {
-    pub(crate) snapshot: SnapshotParts,
+    pub(crate) work: crate::pipeline::SnapshotWork,
     pub(crate) done: SnapshotDone,
 }
 
@@ -134,6 +147,13 @@ pub(crate) struct Resyncer {
     reconcile_after: Pause,
     /// PDSs parked by their rate limits (kept across terms: the limit is the host's).
     hosts: repo_sync::hosts::Hosts,
+    /// The shared queue, when every replica works repo sync: the leader publishes jobs
+    /// there instead of fetching them itself (its own workers claim them like the others').
+    shared: Option<Arc<dyn checkpoint::JobQueue>>,
+    /// Where the leader shows the shared queue's counts.
+    stats: Option<Arc<crate::shared::WorkerStats>>,
+    /// Jobs published by this process (their ids: the term's token and this count).
+    published: std::sync::atomic::AtomicU64,
 }
 
 impl Resyncer {
@@ -151,7 +171,9 @@ impl Resyncer {
         let guard = guarded_http::Guard { allow_private, max_redirects: 3 };
         let client = guarded_http::Client::new(
             guard,
-            reqwest::Client::builder().user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION"))),
+            reqwest::Client::builder()
+                .user_agent(concat!("firekeeper/", env!("CARGO_PKG_VERSION")))
+                .local_address(opts.bind),
         )
         .map_err(|e| crate::error::Error::Setup { what: "repo sync: the HTTP client", source: Box::new(e) })?;
         Ok(Self {
@@ -162,7 +184,37 @@ impl Resyncer {
             listing_after: Pause::default(),
             reconcile_after: Pause::default(),
             hosts: repo_sync::hosts::Hosts::default(),
+            shared: None,
+            stats: None,
+            published: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Publishes jobs to `queue` for every replica's workers instead of fetching them here.
+    pub(crate) fn share(&mut self, queue: Arc<dyn checkpoint::JobQueue>, stats: Arc<crate::shared::WorkerStats>) {
+        self.shared = Some(queue);
+        self.stats = Some(stats);
+    }
+
+    /// The shared queue, when jobs go there.
+    pub(crate) fn shared_queue(&self) -> Option<Arc<dyn checkpoint::JobQueue>> {
+        self.shared.clone()
+    }
+
+    /// Fetches and verifies `did` whole (the route, bounds and collection filter of the
+    /// settings): the snapshot's head and its records to come a part at a time.
+    pub(crate) async fn fetch(&self, did: &str) -> Result<(RepoSnapshot, repo_sync::snapshot::Parts), CheckError> {
+        let now_us = now_ms().saturating_mul(1000);
+        repo_sync::snapshot::fetch_snapshot(
+            &self.resolver,
+            &self.client,
+            repo_sync::check::Route { hosts: &self.hosts, via: self.opts.source.as_deref() },
+            did,
+            &self.opts.limits,
+            now_us,
+            self.wants.clone(),
+        )
+        .await
     }
 
     /// Works the queue for one term: takes due repos, fetches them, hands each snapshot
@@ -176,15 +228,24 @@ impl Resyncer {
         ready: mpsc::Sender<Ready>,
         known: Option<Known>,
     ) {
-        let permits = Arc::new(Semaphore::new(self.opts.workers.max(1)));
+        // Shared jobs in flight are bounded by what the lanes keep beside them.
+        let n = if self.shared.is_some() { SHARED_IN_FLIGHT } else { self.opts.workers.max(1) };
+        let permits = Arc::new(Semaphore::new(n));
         let mut tasks = JoinSet::new();
         desync.plan_backfill(self.opts.backfill.len(), self.opts.backfill_list.is_some());
-        let _zeroed = QueueGauges;
+        let _zeroed = QueueGauges(self.stats.clone());
         let mut shown: Option<std::time::Instant> = None;
         loop {
             while tasks.try_join_next().is_some() {}
             if shown.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
                 QueueGauges::set(&desync, &self.hosts);
+                if let (Some(q), Some(stats)) = (&self.shared, &self.stats) {
+                    // Bounded like every queue call; a queue that does not answer shows
+                    // its last counts.
+                    if let Ok(c) = q.counts().await {
+                        stats.set_queue(Some(c));
+                    }
+                }
                 shown = Some(std::time::Instant::now());
             }
             for did in desync.take_requests() {
@@ -208,7 +269,10 @@ impl Resyncer {
                 let job = Job { r: self.clone(), desync: desync.clone(), store: store.clone(), ctx: ctx.clone() };
                 let ready = ready.clone();
                 tasks.spawn(async move {
-                    job.one(did, reason, ready).await;
+                    match job.r.shared.clone() {
+                        Some(queue) => job.remote(queue, did, reason, ready).await,
+                        None => job.one(did, reason, ready).await,
+                    }
                     metrics::gauge!(m::RESYNC_IN_FLIGHT).decrement(1.0);
                     drop(permit);
                 });
@@ -223,6 +287,9 @@ impl Resyncer {
         }
     }
 }
+
+/// Shared jobs the leader has published and not seen land, at most.
+const SHARED_IN_FLIGHT: usize = 512;
 
 /// A listing that asks no page for a while after a failed one.
 #[derive(Default)]
@@ -297,7 +364,7 @@ impl Resyncer {
 
 /// `firekeeper_resync_queue{state}`, set by the leader's worker at most once a second and
 /// zeroed when its term ends (a standby shows no queue).
-struct QueueGauges;
+struct QueueGauges(Option<Arc<crate::shared::WorkerStats>>);
 
 impl QueueGauges {
     fn set(desync: &Desync, hosts: &repo_sync::hosts::Hosts) {
@@ -310,6 +377,9 @@ impl QueueGauges {
 
 impl Drop for QueueGauges {
     fn drop(&mut self) {
+        if let Some(stats) = &self.0 {
+            stats.set_queue(None);
+        }
         for state in crate::verify::state::ALL {
             metrics::gauge!(m::RESYNC_QUEUE, "state" => state).set(0.0);
         }
@@ -457,30 +527,19 @@ struct Job {
 impl Job {
     async fn one(self, did: String, reason: &'static str, ready: mpsc::Sender<Ready>) {
         let started = std::time::Instant::now();
-        let now_us = now_ms().saturating_mul(1000);
-        let r = &self.r;
-        let outcome = match repo_sync::snapshot::fetch_snapshot(
-            &r.resolver,
-            &r.client,
-            repo_sync::check::Route { hosts: &r.hosts, via: r.opts.source.as_deref() },
-            &did,
-            &r.opts.limits,
-            now_us,
-            r.wants.clone(),
-        )
-        .await
-        {
+        let outcome = match self.r.fetch(&did).await {
             Ok((repo, parts)) => {
                 let (rev, bytes, records) = (repo.rev.clone(), repo.bytes, repo.records);
                 let rev_tid = crate::chain::tid(&rev);
-                let snapshot = SnapshotParts { repo: Arc::new(repo), reason: reason.into(), parts };
+                let snapshot = SnapshotParts::new(Arc::new(repo), reason.into(), parts);
                 let (done, answer) = oneshot::channel();
-                if ready.send(Ready { snapshot, done }).await.is_err() {
+                let work = crate::pipeline::SnapshotWork::Local(snapshot);
+                if ready.send(Ready { work, done }).await.is_err() {
                     // The term is over: the next one queues the repo again.
                     return;
                 }
                 match answer.await {
-                    Ok(Ok(())) => {
+                    Ok(Ok(_)) => {
                         tracing::info!(repo = %did, rev, records, bytes, reason, ms = started.elapsed().as_millis() as u64, "repo resynchronised from its PDS");
                         metrics::counter!(m::RESYNCS, "outcome" => "done", "reason" => reason).increment(1);
                         metrics::counter!(m::RESYNC_RECORDS).increment(records);
@@ -514,6 +573,57 @@ impl Job {
                 outcome
             }
         };
+        self.desync.finish(&did, outcome);
+        let _ = keep(self.store.as_ref(), &self.desync, &did, &self.ctx).await;
+    }
+}
+
+impl Job {
+    /// One repo's job in the shared queue: published at its turn in the repo's lane,
+    /// worked by whichever replica claims it; its result decides what the queue does.
+    async fn remote(
+        self,
+        queue: Arc<dyn checkpoint::JobQueue>,
+        did: String,
+        reason: &'static str,
+        ready: mpsc::Sender<Ready>,
+    ) {
+        use crate::shared::JobResult;
+        let started = std::time::Instant::now();
+        let n = self.r.published.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!("{}-{}-{n}", self.ctx.term.instance(), self.ctx.token);
+        let job = crate::pipeline::RemoteJob { queue, did: did.clone(), id, reason, min_rev: None };
+        let (done, answer) = oneshot::channel();
+        if ready.send(Ready { work: crate::pipeline::SnapshotWork::Remote(job), done }).await.is_err() {
+            return;
+        }
+        let (outcome, label) = match answer.await {
+            Ok(Ok(Some(JobResult::Done { rev, records, bytes, by, .. }))) => {
+                if let Some(stats) = &self.r.stats {
+                    stats.landed(&by, records);
+                }
+                tracing::info!(repo = %did, rev, records, bytes, reason, by, ms = started.elapsed().as_millis() as u64, "repo resynchronised (a shared job landed)");
+                metrics::counter!(m::RESYNC_RECORDS).increment(records);
+                metrics::counter!(m::RESYNC_BYTES).increment(bytes);
+                self.desync.meter.add(now_ms().unsigned_abs() / 1000, records, bytes);
+                metrics::histogram!(m::RESYNC_SECONDS).record(started.elapsed().as_secs_f64());
+                (Outcome::Done(crate::chain::tid(&rev)), "done".to_owned())
+            }
+            Ok(Ok(Some(JobResult::Stale { rev }))) => {
+                tracing::info!(repo = %did, rev, "the PDS served a repo older than a commit already handed over: fetching again");
+                (Outcome::Later(now_ms()), "stale".to_owned())
+            }
+            Ok(Ok(Some(JobResult::Gone))) => (Outcome::Gone, "gone".to_owned()),
+            Ok(Ok(Some(JobResult::Later { at }))) => (Outcome::Later(at), "rate_limited".to_owned()),
+            Ok(Ok(Some(JobResult::Failed { why, label }))) => {
+                tracing::warn!(repo = %did, error = %why, outcome = %label, "a shared resync job failed");
+                (Outcome::Failed, label)
+            }
+            Ok(Ok(None) | Err(_)) => (Outcome::Failed, "undelivered".to_owned()),
+            // The term ended: the next one queues the repo again.
+            Err(_) => return,
+        };
+        metrics::counter!(m::RESYNCS, "outcome" => label, "reason" => reason).increment(1);
         self.desync.finish(&did, outcome);
         let _ = keep(self.store.as_ref(), &self.desync, &did, &self.ctx).await;
     }

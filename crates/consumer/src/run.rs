@@ -31,6 +31,7 @@ pub struct Consumer {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) status: StatusHandle,
     pub(crate) shadow: Option<Arc<dyn Shadow>>,
+    pub(crate) jobs: Option<Arc<dyn checkpoint::JobQueue>>,
 }
 
 impl Consumer {
@@ -50,7 +51,8 @@ impl Consumer {
     /// fatal condition, or the lease supervisor ending. Like mini-redis's `server::run`,
     /// the caller decides what shutdown means (a signal, a test's oneshot).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
-        let Self { settings, lease: (backend, lease_cfg), store, handler, instance, clock, status, shadow } = self;
+        let Self { settings, lease: (backend, lease_cfg), store, handler, instance, clock, status, shadow, jobs } =
+            self;
         let mut shutdown = pin!(shutdown);
         tokio::select! {
             () = seed_fence(&*store, &*backend, &status) => {}
@@ -72,7 +74,7 @@ impl Consumer {
         let (held_back, found) = deployment::at_start(&*backend, &settings.deployment, policy, &status).await;
         let prior = Prior { floor: recollection.token, cold, held_back };
         let backend_for_record = backend.clone();
-        let (handle, events) = lease::spawn_with(backend, lease_cfg, clock, &instance, prior)?;
+        let (handle, events) = lease::spawn_with(backend, lease_cfg, clock.clone(), &instance, prior)?;
         status.watch_lease(handle.store_trouble());
         status.update(|s| {
             s.role = Role::Standby;
@@ -96,7 +98,8 @@ impl Consumer {
         let verifier = verify::Verifier::new(&settings.options.verify, lanes, status.desync())
             .map_err(|e| Error::Setup { what: "verification", source: Box::new(e) })?
             .map(Arc::new);
-        let resyncer = resyncer(&settings, &*handler, &status)?;
+        let resyncer = resyncer(&settings, &*handler, &status, jobs)?;
+        let workers = spawn_workers(resyncer.as_ref(), &settings, &handler, &instance, &clock, &status);
         let desync = (verifier.is_some() || resyncer.is_some()).then(|| status.desync());
         let shape = Shape {
             lanes: settings.options.lanes,
@@ -145,6 +148,9 @@ impl Consumer {
         }
         drop(cx);
         follower.abort();
+        if let Some(w) = workers {
+            w.abort();
+        }
         status.update(|s| s.role = Role::Stopped);
         handle.join().await;
         r
@@ -361,14 +367,60 @@ async fn lead_loop(cx: &Ctx<'_>, mut events: UnboundedReceiver<LeaseEvent>) -> R
 }
 
 /// The resyncer, when repo sync runs: on, and a handler that takes snapshots.
-fn resyncer(settings: &Settings, handler: &dyn Handler, status: &StatusHandle) -> Result<Option<Arc<Resyncer>>, Error> {
+/// Every replica's workers for the shared repo-sync queue (the leader's too), for the life
+/// of the process; `None` when repo sync is not shared or this replica takes no jobs.
+fn spawn_workers(
+    resyncer: Option<&Arc<Resyncer>>,
+    settings: &Settings,
+    handler: &Arc<dyn Handler>,
+    instance: &str,
+    clock: &Arc<dyn Clock>,
+    status: &StatusHandle,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let r = resyncer?;
+    let queue = r.shared_queue().filter(|_| settings.options.resync.workers > 0)?;
+    let w = crate::shared::Workers {
+        queue,
+        resyncer: r.clone(),
+        handler: handler.clone(),
+        instance: instance.to_owned(),
+        n: settings.options.resync.workers,
+        clock: clock.clone(),
+        stats: status.sync_workers(),
+        idle: settings.options.resync.claim_idle,
+    };
+    Some(tokio::spawn(Arc::new(w).run()))
+}
+
+fn resyncer(
+    settings: &Settings,
+    handler: &dyn Handler,
+    status: &StatusHandle,
+    jobs: Option<Arc<dyn checkpoint::JobQueue>>,
+) -> Result<Option<Arc<Resyncer>>, Error> {
     let r = &settings.options.resync;
     if !(r.enabled && handler.takes_snapshots()) {
         return Ok(None);
     }
     status.desync().set_resync(r.retry_first, r.retry_max, r.attempts);
     let resolver = settings.options.verify.resolver.clone();
-    Ok(Some(Arc::new(Resyncer::new(r.clone(), resolver, settings.options.collections.clone())?)))
+    let mut resyncer = Resyncer::new(r.clone(), resolver, settings.options.collections.clone())?;
+    match jobs.filter(|_| r.share) {
+        Some(q) if handler.is_shared() => {
+            tracing::info!(
+                queue = q.name(),
+                workers = r.workers,
+                "repo sync is shared: the leader publishes repos to fetch to the shared queue, and every replica's workers take them"
+            );
+            resyncer.share(q, status.sync_workers());
+            let _ = status.sync_workers().workers.set(r.workers);
+        }
+        Some(_) => tracing::info!(
+            "repo sync is not shared: the sink is this process's own output, so only the leader fetches repos"
+        ),
+        None => {}
+    }
+    Ok(Some(Arc::new(resyncer)))
 }
 
 #[cfg(test)]

@@ -100,6 +100,9 @@ pub struct Status {
     /// Repo sync as a person watches it: the queue, what was done, rates, the backfill
     /// and an ETA (`None` without repo sync).
     pub repo_sync: Option<crate::progress::Progress>,
+    /// Repo sync across replicas: this replica's jobs, and on the leader the shared queue
+    /// (`None` while repo sync is not shared).
+    pub sync_jobs: Option<crate::shared::SyncJobs>,
     /// The sink's writes are failing (and retried): not ready while set.
     pub sink_failing: Option<SinkFailing>,
     /// The cursor store has taken no commit for `uncommitted_max`: intake waits, not ready.
@@ -141,6 +144,8 @@ struct Inner {
     sink_failing: AtomicBool,
     commit_stalled: AtomicBool,
     desync: Arc<crate::verify::Desync>,
+    /// This replica's work for the shared repo-sync queue.
+    workers: Arc<crate::shared::WorkerStats>,
     lease_trouble: std::sync::OnceLock<Trouble>,
     starting_why: Mutex<Option<String>>,
     held_back: AtomicBool,
@@ -159,6 +164,11 @@ impl Default for StatusHandle {
             sink_failing: AtomicBool::new(false),
             commit_stalled: AtomicBool::new(false),
             desync: Arc::default(),
+            workers: Arc::new(crate::shared::WorkerStats {
+                queued: u64::MAX.into(),
+                claimed: u64::MAX.into(),
+                ..Default::default()
+            }),
             lease_trouble: std::sync::OnceLock::new(),
             starting_why: Mutex::new(None),
             held_back: AtomicBool::new(false),
@@ -178,6 +188,7 @@ impl StatusHandle {
         let by = self.0.desync.by_state();
         s.repo_sync = self.0.desync.progress(&by, crate::verify::now_ms().unsigned_abs() / 1000);
         s.resync = by.into_iter().collect();
+        s.sync_jobs = self.0.workers.view();
         s.lease_store_error = self.lease_trouble();
         let active = self.0.term.lock().ok().and_then(|t| t.as_ref().map(Term::is_active)).unwrap_or(false);
         if matches!(s.role, Role::Leader | Role::SteppingDown) && !active {
@@ -340,6 +351,12 @@ impl StatusHandle {
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
+    }
+
+    /// This replica's work for the shared repo-sync queue.
+    #[must_use]
+    pub fn sync_workers(&self) -> Arc<crate::shared::WorkerStats> {
+        self.0.workers.clone()
     }
 
     pub(crate) fn desync(&self) -> Arc<crate::verify::Desync> {

@@ -347,6 +347,10 @@ impl Handler for JetStream {
         1024
     }
 
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     fn takes_snapshots(&self) -> bool {
         true
     }

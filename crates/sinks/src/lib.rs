@@ -289,6 +289,10 @@ impl Handler for Webhook {
         self.batch
     }
 
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     fn takes_snapshots(&self) -> bool {
         true
     }
@@ -423,6 +427,10 @@ impl Handler for Postgres {
     async fn handle(&self, batch: &[Event], ctx: &BatchCtx) -> Result<(), HandlerError> {
         let mut c = self.conn.client().await.map_err(|e| HandlerError::failed("postgres connection", e))?;
         pg_write(&mut c, batch, ctx, self.records).await
+    }
+
+    fn is_shared(&self) -> bool {
+        true
     }
 
     fn takes_snapshots(&self) -> bool {
@@ -759,6 +767,10 @@ pub struct Null;
 impl Handler for Null {
     async fn handle(&self, _batch: &[Event], _ctx: &BatchCtx) -> Result<(), HandlerError> {
         Ok(())
+    }
+
+    fn is_shared(&self) -> bool {
+        true
     }
 
     fn takes_snapshots(&self) -> bool {

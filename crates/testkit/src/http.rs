@@ -47,3 +47,49 @@ pub async fn read_request_with_line(s: &mut tokio::net::TcpStream, pending: &mut
         }
     }
 }
+
+/// A webhook receiver that answers every request 200 and keeps the bodies, in the order
+/// it took them.
+#[derive(Debug, Clone)]
+pub struct Collector {
+    /// Where to POST.
+    pub url: String,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Collector {
+    /// Listens on a free loopback port.
+    ///
+    /// # Panics
+    /// When it cannot listen.
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let kept = kept.clone();
+                tokio::spawn(async move {
+                    let mut pending = Vec::new();
+                    while let Some(body) = read_request(&mut s, &mut pending).await {
+                        kept.lock().expect("bodies").push(String::from_utf8_lossy(&body).into_owned());
+                        if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { url, bodies }
+    }
+
+    /// Every body taken so far, joined (JSON lines).
+    ///
+    /// # Panics
+    /// When a receiving task panicked.
+    #[must_use]
+    pub fn text(&self) -> String {
+        self.bodies.lock().expect("bodies").concat()
+    }
+}

@@ -159,6 +159,29 @@ pub fn sigstop(pid: u32) {
     }
 }
 
+/// Resumes a process [`sigstop`] stopped.
+///
+/// # Panics
+/// When `kill -CONT` fails.
+pub fn sigcont(pid: u32) {
+    let ok = Command::new("kill").args(["-CONT", &pid.to_string()]).status().is_ok_and(|s| s.success());
+    assert!(ok, "kill -CONT {pid}");
+}
+
+/// Loses a replica the way a test asks: frozen (`SIGSTOP`, resumed later with
+/// [`sigcont`]) or killed (`SIGKILL`, reaped).
+///
+/// # Panics
+/// When the signal cannot be sent.
+pub fn lose(child: &mut std::process::Child, freeze: bool) {
+    if freeze {
+        sigstop(child.id());
+    } else {
+        child.kill().expect("kill");
+        let _ = child.wait();
+    }
+}
+
 /// True when every thread of `pid` is stopped (state `T` or `t` in its `stat`), or the
 /// process is gone.
 fn all_threads_stopped(pid: u32) -> bool {

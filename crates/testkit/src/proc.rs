@@ -28,6 +28,15 @@ pub fn firekeeper_bin() -> PathBuf {
     bin
 }
 
+/// A relay-sim with nothing to replay (a deployment started at the live tail, for
+/// benches of repo sync).
+///
+/// # Panics
+/// When it cannot listen.
+pub async fn quiet_relay() -> RelaySim {
+    RelaySim::start_with(Vec::new(), SimConfig::default(), "127.0.0.1:0".parse().expect("addr")).await.expect("sim")
+}
+
 /// A relay-sim replaying the fixture: all published at once (`None`) or paced.
 pub async fn sim(rate: Option<u32>) -> RelaySim {
     let cfg = SimConfig { rate, initial_head: rate.map(|_| 0), ..SimConfig::default() };

@@ -8,6 +8,7 @@ use tokio::sync::mpsc;
 
 use super::{Leader, Stop};
 use crate::continuity::Key;
+use crate::pipeline::SnapshotWork;
 use crate::resync::{Ready, STALE};
 
 /// Snapshots remembered per term for dropping the events they cover; past this many the
@@ -56,23 +57,28 @@ impl Leader<'_, '_> {
     /// so far; later events it covers are dropped. A snapshot older than a commit of the
     /// repo already handed over is sent back as stale (fetched again).
     pub(super) async fn stage_snapshot(&mut self, r: Ready) -> Result<(), Stop> {
-        let did = r.snapshot.did().to_owned();
+        let Ready { work, done } = r;
+        let did = work.did().to_owned();
         let lane = self.p.lane_of(Some(&did));
-        let rev = crate::chain::tid(r.snapshot.rev());
         let last = self.memory.as_ref().and_then(|m| m.last_commit(lane, &did));
+        let snapshot = match work {
+            SnapshotWork::Local(s) => s,
+            SnapshotWork::Remote(mut job) => {
+                // A shared job: its worker refuses a snapshot older than what went before
+                // its turn; the lane drops what it covers once it lands.
+                job.min_rev = last;
+                return self.push(lane, SnapshotWork::Remote(job), done).await;
+            }
+        };
+        let rev = crate::chain::tid(snapshot.rev());
         if let (Some(last), Some(rev)) = (last, rev)
             && last > rev
         {
-            let _ = r.done.send(Err(STALE.to_owned()));
+            let _ = done.send(Err(STALE.to_owned()));
             return Ok(());
         }
-        if self.p.has_staged_in(lane) {
-            self.send(lane).await?;
-        }
-        let repo = r.snapshot.repo.clone();
-        if !self.p.push_snapshot(lane, r.snapshot, r.done) {
-            return self.lane_gone().await;
-        }
+        let repo = snapshot.repo.clone();
+        self.push(lane, SnapshotWork::Local(snapshot), done).await?;
         // The repo's chain continues from the snapshot.
         if let Some(m) = &self.memory {
             m.record(lane, Key::Sync { did: &did, rev: &repo.rev });
@@ -85,6 +91,17 @@ impl Leader<'_, '_> {
                 self.covered.clear();
             }
             self.covered.insert(did, rev);
+        }
+        Ok(())
+    }
+
+    /// Hands `work` to its lane after the events staged for it.
+    async fn push(&mut self, lane: usize, work: SnapshotWork, done: crate::pipeline::SnapshotDone) -> Result<(), Stop> {
+        if self.p.has_staged_in(lane) {
+            self.send(lane).await?;
+        }
+        if !self.p.push_snapshot(lane, work, done) {
+            return self.lane_gone().await;
         }
         Ok(())
     }
