@@ -35,6 +35,7 @@ bench: deps
 	$(CARGO) bench -p repo-sync --bench snapshot
 	$(CARGO) bench -p firekeeper --bench cluster
 	$(CARGO) bench -p firekeeper --bench giant
+	$(CARGO) bench -p firekeeper --bench shared
 
 chaos: deps
 	FK_SWITCH_CASES=20000 $(CARGO) nextest run -p consumer -E 'test(every_generated_switch)' --no-fail-fast

@@ -28,13 +28,7 @@ fn peak_rss_mib(pid: u32) -> f64 {
 
 /// One backfill of the repo through the binary into `sink`: (records/s, peak RSS MiB).
 async fn backfill(plc: &str, dir: &std::path::Path, sink: &str) -> (f64, f64) {
-    let relay = relay_sim::RelaySim::start_with(
-        Vec::new(),
-        relay_sim::SimConfig::default(),
-        "127.0.0.1:0".parse().expect("addr"),
-    )
-    .await
-    .expect("sim");
+    let relay = testkit::proc::quiet_relay().await;
     let run = dir.join(sink);
     std::fs::create_dir_all(&run).expect("dir");
     let mut env = testkit::proc::base_env(&relay.url(), &run);
