@@ -333,7 +333,7 @@ fn repo_sync(r: &Raw, options: &mut consumer::Options, errors: &mut Vec<String>)
 /// True when `store` keeps a shared repo-sync queue every replica can work.
 #[must_use]
 pub fn has_job_queue(store: StoreKind) -> bool {
-    matches!(store, StoreKind::Redis | StoreKind::Nats)
+    matches!(store, StoreKind::Redis | StoreKind::Nats | StoreKind::Postgres)
 }
 
 /// `FIREKEEPER_SYNC_WORKERS=0` (this replica takes no jobs) needs a queue shared with
@@ -349,7 +349,7 @@ fn shared_sync(store: StoreKind, sink: &SinkKind, options: &consumer::Options, e
     if r.enabled && r.workers == 0 && !shared {
         errors.push(
             "FIREKEEPER_SYNC_WORKERS=0 means this replica takes no repo-sync jobs, which needs a queue shared with replicas that do: \
-             FIREKEEPER_CURSOR_STORE=redis or nats, a sink every replica reaches (not jsonl) and FIREKEEPER_SYNC_SHARED=true"
+             FIREKEEPER_CURSOR_STORE=redis, nats or postgres, a sink every replica reaches (not jsonl) and FIREKEEPER_SYNC_SHARED=true"
                 .into(),
         );
     }

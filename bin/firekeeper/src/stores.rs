@@ -104,7 +104,11 @@ pub async fn open_jobs(cfg: &Config) -> Result<Option<Arc<dyn checkpoint::JobQue
             let idle = cfg.options.resync.claim_idle;
             Some(Arc::new(checkpoint::NatsJobs::new(&nats(cfg).await?, &cfg.lease.key_prefix, idle)))
         }
-        StoreKind::File | StoreKind::Postgres => None,
+        StoreKind::Postgres => {
+            let url = cfg.database_url.as_deref().context("DATABASE_URL")?;
+            Some(Arc::new(checkpoint::PostgresJobs::connect(url, op).await?))
+        }
+        StoreKind::File => None,
     })
 }
 

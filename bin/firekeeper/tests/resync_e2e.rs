@@ -921,10 +921,42 @@ async fn three_replicas_share_a_backfill_on_redis() {
     three_replicas_share_a_backfill(&Store::Redis).await;
 }
 
+/// What a person sees on the leader once a shared backfill of the nine repos is done
+/// (`firekeeper repos progress`): the shared queue empty, and every replica that wrote
+/// snapshots with how many landed (nine in all).
+async fn progress_shows_every_replica(env: &HashMap<String, String>, leader: &str) {
+    eventually("the leader sees the shared queue empty", WAIT, async || {
+        let Some((200, body)) = http_get(leader, "/status").await else { return false };
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["sync_jobs"]["queued"] == 0 && v["sync_jobs"]["claimed"] == 0
+    })
+    .await;
+    let out = run_once(env, &["repos", "progress", "--addr", leader, "--every", "1"]);
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && shown.contains("(leader)") && shown.contains("shared queue: 0 waiting, 0 claimed"),
+        "{shown}"
+    );
+    let landed: u64 = shown
+        .lines()
+        .filter(|l| l.starts_with("  fk-"))
+        .filter_map(|l| l.split_once(": ")?.1.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(landed, 9, "each replica's landed jobs: {shown:?}");
+}
+
 /// The same with the lease, the cursor store and the queue in NATS (`JetStream`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_share_a_backfill_on_nats() {
     three_replicas_share_a_backfill(&Store::Nats).await;
+}
+
+/// The same with the Postgres sink and its records table, the cursor store and the queue
+/// in Postgres (`FOR UPDATE SKIP LOCKED`), the lease in Redis: the records table equals
+/// the reference and each repo's `#resync` row is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_a_backfill_on_postgres() {
+    three_replicas_share_a_backfill(&Store::Postgres).await;
 }
 
 async fn three_replicas_share_a_backfill(store: &Store) {
@@ -945,8 +977,15 @@ async fn three_replicas_share_a_backfill(store: &Store) {
         _redis = Some(redis);
     }
     let hook = testkit::http::Collector::start().await;
-    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
-    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    let mut pg_server = None;
+    if let Store::Postgres = store {
+        let pg = testkit::PgServer::start();
+        postgres_env(&mut env, &pg);
+        pg_server = Some(pg);
+    } else {
+        env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+        env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    }
     env.insert("FIREKEEPER_SYNC_WORKERS".into(), "1".into());
     let list = dir.join("dids.txt");
     std::fs::write(&list, dids.join("\n")).expect("list");
@@ -973,26 +1012,7 @@ async fn three_replicas_share_a_backfill(store: &Store) {
         false
     })
     .await;
-    // What a person sees: every replica that wrote snapshots, with how many landed.
-    let leader = leader.expect("a leader");
-    eventually("the leader sees the shared queue empty", WAIT, async || {
-        let Some((200, body)) = http_get(&leader, "/status").await else { return false };
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        v["sync_jobs"]["queued"] == 0 && v["sync_jobs"]["claimed"] == 0
-    })
-    .await;
-    let out = run_once(&env, &["repos", "progress", "--addr", &leader, "--every", "1"]);
-    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success() && shown.contains("(leader)") && shown.contains("shared queue: 0 waiting, 0 claimed"),
-        "{shown}"
-    );
-    let landed: u64 = shown
-        .lines()
-        .filter(|l| l.starts_with("  fk-"))
-        .filter_map(|l| l.split_once(": ")?.1.split(' ').next()?.parse::<u64>().ok())
-        .sum();
-    assert_eq!(landed, 9, "each replica's landed jobs: {shown:?}");
+    progress_shows_every_replica(&env, &leader.expect("a leader")).await;
     let mut done = Vec::new();
     for a in &addrs {
         let (_, body) = http_get(a, "/status").await.expect("status");
@@ -1004,6 +1024,18 @@ async fn three_replicas_share_a_backfill(store: &Store) {
     }
     assert_eq!(done.iter().sum::<u64>(), 9, "each repo's job done once: {done:?}");
     assert!(done.iter().filter(|n| **n > 0).count() >= 2, "the jobs spread over the replicas: {done:?}");
+    if let Some(pg) = &pg_server {
+        let (c, conn) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls).await.expect("pg");
+        tokio::spawn(conn);
+        let rows = c
+            .query("SELECT did, count(*) FROM firekeeper_events WHERE kind = '#resync' GROUP BY did", &[])
+            .await
+            .expect("resyncs");
+        assert_eq!(rows.len(), 9, "every repo");
+        assert!(rows.iter().all(|r| r.get::<_, i64>(1) == 1), "each repo's snapshot written once");
+        assert_reference(&records_table(&pg.url()).await);
+        return;
+    }
     let text = hook.text();
     for did in &dids {
         let n = text.lines().filter(|l| l.contains("\"#resync\"") && l.contains(did.as_str())).count();

@@ -10,7 +10,7 @@
 //! - [`nats_store`]: NATS JetStream KV, fenced by token with compare-and-set per key.
 //! - [`postgres_store`]: a table from `migrations/`, usable inside a caller's transaction.
 //! - [`jobs`]: the shared repo-sync work queue ([`JobQueue`]), on Redis Streams
-//!   ([`redis_jobs`]) and NATS `JetStream` ([`nats_jobs`]).
+//!   ([`redis_jobs`]), NATS `JetStream` ([`nats_jobs`]) and Postgres ([`postgres_jobs`]).
 //! - [`watermark`]: the highest seq at or below which every delivered event is done.
 //!
 //! Keys are scoped to a relay *fingerprint*, never a URL: every relay numbers its own
@@ -21,6 +21,7 @@ pub mod file_store;
 pub mod jobs;
 pub mod nats_jobs;
 pub mod nats_store;
+pub mod postgres_jobs;
 pub mod postgres_store;
 pub mod redis_jobs;
 pub mod redis_store;
@@ -32,6 +33,7 @@ pub use file_store::FileStore;
 pub use jobs::{Claim, JobCounts, JobQueue, JobSpec, JobState};
 pub use nats_jobs::NatsJobs;
 pub use nats_store::NatsStore;
+pub use postgres_jobs::PostgresJobs;
 pub use postgres_store::PostgresStore;
 pub use redis_jobs::RedisJobs;
 pub use redis_store::{RedisKeys, RedisStore};

@@ -137,21 +137,24 @@ impl PgConn {
     }
 }
 
-fn pg(e: tokio_postgres::Error) -> StoreError {
+pub(crate) fn pg(e: tokio_postgres::Error) -> StoreError {
     // Neither the error's Display nor its cause includes the connection string; the
     // cause says what the server or the socket said ("password authentication failed").
     StoreError::Unavailable(Box::new(e))
 }
 
-fn as_i64(v: u64) -> i64 {
+pub(crate) fn as_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-fn as_u64(v: i64, what: &str) -> Result<u64, StoreError> {
+pub(crate) fn as_u64(v: i64, what: &str) -> Result<u64, StoreError> {
     u64::try_from(v).map_err(|_| StoreError::Protocol(format!("{what} {v} is negative")))
 }
 
-async fn within<T>(d: Duration, f: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+pub(crate) async fn within<T>(
+    d: Duration,
+    f: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
     tokio::time::timeout(d, f)
         .await
         .unwrap_or_else(|_| Err(StoreError::Unavailable(format!("timed out after {d:?}").into())))
@@ -250,7 +253,7 @@ impl PostgresStore {
 }
 
 /// Locks the fence row; raises it to `token`, or returns the higher current token.
-async fn raise_fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
+pub(crate) async fn raise_fence(tx: &impl GenericClient, token: u64) -> Result<Option<u64>, StoreError> {
     tx.execute("INSERT INTO firekeeper_fence (id, token) VALUES (true, 0) ON CONFLICT (id) DO NOTHING", &[])
         .await
         .map_err(pg)?;

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use checkpoint::{CommitOutcome, Fence, JobQueue, JobSpec, JobState, NatsJobs, RedisJobs, RedisKeys};
+use checkpoint::{CommitOutcome, Fence, JobQueue, JobSpec, JobState, NatsJobs, PostgresJobs, RedisJobs, RedisKeys};
 use testkit::RedisServer;
 
 const OP: Duration = Duration::from_secs(2);
@@ -100,4 +100,30 @@ async fn nats_jetstream_fences_claims_by_epoch_and_job() {
         });
     };
     claims_are_fenced_by_epoch_and_job(&q, &lease, idle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_skip_locked_fences_claims_by_epoch_and_job() {
+    let server = testkit::PgServer::start();
+    let q = PostgresJobs::connect(&server.url(), OP).await.expect("queue");
+    // Postgres fences by the highest token presented (`firekeeper_fence`).
+    let (admin, conn) = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls).await.expect("pg");
+    tokio::spawn(conn);
+    let rt = tokio::runtime::Handle::current();
+    let lease = |v: &str| {
+        let token: i64 = v.rsplit_once(':').and_then(|(_, t)| t.parse().ok()).expect("a token");
+        tokio::task::block_in_place(|| {
+            rt.block_on(async {
+                admin
+                    .execute(
+                        "INSERT INTO firekeeper_fence (id, token) VALUES (true, $1)
+                         ON CONFLICT (id) DO UPDATE SET token = EXCLUDED.token",
+                        &[&token],
+                    )
+                    .await
+                    .expect("fence")
+            })
+        });
+    };
+    claims_are_fenced_by_epoch_and_job(&q, &lease, Duration::from_millis(300)).await;
 }
