@@ -1194,3 +1194,59 @@ async fn a_chain_break_is_repaired_by_another_replica_in_its_place() {
     }
     assert_reference(&testkit::fold::jsonl(&text));
 }
+
+/// A 429 storm from one host, with repo sync shared by two replicas: the reference repos
+/// split over two PDSs, one of which answers every request 429 for 6 s after the first.
+/// The other host's repos all land while that one is still refusing, none of the
+/// refusing host's before its window is over, then every repo lands and folds to the
+/// reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_storm_from_one_host_parks_that_host_only() {
+    use testkit::pds::Fault;
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let window = Fault::HostWindow { secs: 6, opened: None, answered: answered.clone() };
+    let stormy = testkit::pds::start_faulty(
+        every_repo(),
+        HashMap::new(),
+        HashMap::from([(testkit::pds::EVERY.to_owned(), window)]),
+    )
+    .await;
+    let calm = testkit::pds::start(every_repo()).await;
+    let mut dids: Vec<String> = testkit::fold::reference().into_keys().collect();
+    dids.sort();
+    let (on_stormy, on_calm) = dids.split_at(4);
+    let mut docs = testkit::pds::docs(&calm);
+    docs.extend(testkit::pds::docs(&stormy).into_iter().filter(|(d, _)| on_stormy.contains(d)));
+    let plc = Plc::start(docs).await;
+    let dir = tmpdir("shared-storm");
+    let relay = relay_sim::RelaySim::start_with(
+        resync_frames(),
+        relay_sim::SimConfig::default(),
+        "127.0.0.1:0".parse().expect("addr"),
+    )
+    .await
+    .expect("sim");
+    let mut env = base_env(&relay.url(), &dir);
+    env.extend(testkit::pds::repair_env(&plc.url()).map(|(k, v)| (k.to_owned(), v)));
+    let redis = testkit::RedisServer::start();
+    let hook = testkit::http::Collector::start().await;
+    env.insert("REDIS_URL".into(), redis.url());
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    env.insert("FIREKEEPER_BACKFILL_DIDS".into(), dids.join(","));
+    assert!(run_once(&env, &["cursor", "set", "508"]).status.success());
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut env_a = env.clone();
+    env_a.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
+    let a = firekeeper(&env_a, &[], &dir.join("a.log"));
+    let b = firekeeper(&env, &[], &dir.join("b.log"));
+    let landed = |did: &str| hook.text().lines().any(|l| l.contains("\"#resync\"") && l.contains(did));
+    eventually("the calm host's repos landed", WAIT, async || on_calm.iter().all(|d| landed(d))).await;
+    let early: Vec<&String> = on_stormy.iter().filter(|d| landed(d)).collect();
+    assert!(early.is_empty(), "the stormy host's repos wait for its window: {early:?}");
+    assert!(answered.load(std::sync::atomic::Ordering::Relaxed) > 0, "the stormy host answered 429");
+    eventually("every repo landed", WAIT, async || settled(&addr, "backfill", 9).await).await;
+    assert!(sigterm_and_wait(b).success());
+    assert!(sigterm_and_wait(a).success());
+    assert_reference(&testkit::fold::jsonl(&hook.text()));
+}
