@@ -1250,3 +1250,54 @@ async fn a_429_storm_from_one_host_parks_that_host_only() {
     assert!(sigterm_and_wait(a).success());
     assert_reference(&testkit::fold::jsonl(&hook.text()));
 }
+
+/// The leader killed while a standby's worker applies a shared job of a repo with live
+/// commits: leader A takes no jobs, B's worker has the large repo's job (served in 4 s)
+/// when A is killed; B takes over the lease, queues the repo again (its new job replaces
+/// A's, whose late apply is refused unless it already landed) and goes on with the stream
+/// from A's cursor. The whole capture is committed, nothing is left queued, and the fold
+/// of everything the webhook received equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_killed_while_a_standby_applies_a_shared_job_loses_nothing() {
+    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
+    let base = testkit::pds::start_slow(every_repo(), slow).await;
+    let dir = tmpdir("shared-leader-kill");
+    let paced = relay_sim::SimConfig { rate: Some(80), initial_head: Some(0), ..relay_sim::SimConfig::default() };
+    let World { mut env, addr, plc: _plc, _relay, .. } = world_with(&base, resync_frames(), paced, &dir).await;
+    let redis = testkit::RedisServer::start();
+    let hook = testkit::http::Collector::start().await;
+    env.insert("REDIS_URL".into(), redis.url());
+    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
+    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
+    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
+    let mut env_a = env.clone();
+    env_a.insert("FIREKEEPER_SYNC_WORKERS".into(), "0".into());
+    let mut a = firekeeper(&env_a, &[], &dir.join("a.log"));
+    eventually("a leads", WAIT, async || {
+        http_get(&addr, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
+    })
+    .await;
+    let addr_b = format!("127.0.0.1:{}", free_port());
+    let mut env_b = env.clone();
+    env_b.insert("FIREKEEPER_HTTP_ADDR".into(), addr_b.clone());
+    let b = firekeeper(&env_b, &[], &dir.join("b.log"));
+    eventually("b's worker has the large repo's job", WAIT, async || {
+        let Some((200, body)) = http_get(&addr_b, "/status").await else { return false };
+        let Some((200, invalid)) = http_get(&addr, "/repos/invalid").await else { return false };
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["sync_jobs"]["in_flight"] == 1)
+            && invalid.contains(RLARGE)
+    })
+    .await;
+    testkit::lose(&mut a, false);
+    eventually("b leads, committed the capture, nothing queued", WAIT, async || {
+        let Some((200, body)) = http_get(&addr_b, "/status").await else { return false };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else { return false };
+        v["role"] == "leader" && v["committed"] == 508 && v["desynchronized"] == 0
+    })
+    .await;
+    assert!(sigterm_and_wait(b).success());
+    let text = hook.text();
+    std::fs::write(dir.join("hook.jsonl"), &text).expect("kept for a look");
+    assert!(text.lines().any(|l| l.contains("\"#resync\"") && l.contains(RLARGE)), "the large repo was repaired");
+    assert_reference(&testkit::fold::jsonl(&text));
+}
