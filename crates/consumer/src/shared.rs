@@ -406,7 +406,7 @@ async fn write_all(handler: &dyn Handler, sp: &mut SnapshotParts, ctx: &BatchCtx
 /// How often the leader's lane asks whether a published job finished: from this, doubling
 /// to `POLL_JOB_MAX`.
 const POLL_JOB: Duration = Duration::from_millis(50);
-const POLL_JOB_MAX: Duration = Duration::from_secs(1);
+const POLL_JOB_MAX: Duration = Duration::from_millis(250);
 
 /// Publishes `job` fenced by the term (retried while the queue does not answer) and waits
 /// for its result. `Fenced` when a newer term owns the queue, `Cancelled` when the term
