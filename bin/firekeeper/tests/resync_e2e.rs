@@ -1124,20 +1124,25 @@ async fn a_worker_frozen_past_its_claim_writes_nothing_when_it_wakes() {
     a_worker_lost_mid_download(true).await;
 }
 
-/// A chain break repaired by a shared job, in its place in the stream: the leader takes no
-/// jobs (`FIREKEEPER_SYNC_WORKERS=0`), a standby's worker does; the relay is paced and the
-/// large repo served slowly, so the rest of the capture's events of the broken repos
-/// arrive while their jobs are out. The leader holds them, drops those the snapshot covers once it has
-/// landed, and commits the whole capture; the fold of what the webhook received equals the
-/// reference.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chain_break_is_repaired_by_another_replica_in_its_place() {
-    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(2))]);
+/// A shared-repo-sync world for the chain-break capture: the PDS serving the large repo
+/// in `slow_s` seconds, the relay paced (80 events a second, so that the broken repos'
+/// later events arrive while their jobs are out), Redis, the webhook sink, and leader A
+/// running with no workers of its own (`env` is for the other replicas).
+struct Shared {
+    env: HashMap<String, String>,
+    addr: String,
+    a: std::process::Child,
+    hook: testkit::http::Collector,
+    _redis: testkit::RedisServer,
+    _plc: Plc,
+    _relay: relay_sim::RelaySim,
+}
+
+async fn shared_leader(slow_s: u64, dir: &std::path::Path) -> Shared {
+    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(slow_s))]);
     let base = testkit::pds::start_slow(every_repo(), slow).await;
-    let dir = tmpdir("shared-repair");
-    // Paced, so that the broken repos' later events arrive while their jobs are out.
     let paced = relay_sim::SimConfig { rate: Some(80), initial_head: Some(0), ..relay_sim::SimConfig::default() };
-    let World { mut env, addr, plc: _plc, _relay, .. } = world_with(&base, resync_frames(), paced, &dir).await;
+    let World { mut env, addr, plc, _relay: relay, .. } = world_with(&base, resync_frames(), paced, dir).await;
     let redis = testkit::RedisServer::start();
     let hook = testkit::http::Collector::start().await;
     env.insert("REDIS_URL".into(), redis.url());
@@ -1151,6 +1156,20 @@ async fn a_chain_break_is_repaired_by_another_replica_in_its_place() {
         http_get(&addr, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
     })
     .await;
+    Shared { env, addr, a, hook, _redis: redis, _plc: plc, _relay: relay }
+}
+
+/// A chain break repaired by a shared job, in its place in the stream: the leader takes no
+/// jobs (`FIREKEEPER_SYNC_WORKERS=0`), a standby's worker does; the relay is paced and the
+/// large repo served slowly, so the rest of the capture's events of the broken repos
+/// arrive while their jobs are out. The leader holds them, drops those the snapshot covers
+/// once it has landed, and commits the whole capture; the fold of what the webhook received
+/// equals the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_break_is_repaired_by_another_replica_in_its_place() {
+    let dir = tmpdir("shared-repair");
+    let shared = shared_leader(2, &dir).await;
+    let Shared { env, addr, a, hook, _redis, _plc, _relay } = shared;
     let mut env_b = env.clone();
     env_b.insert("FIREKEEPER_HTTP_ADDR".into(), format!("127.0.0.1:{}", free_port()));
     let b = firekeeper(&env_b, &[], &dir.join("b.log"));
@@ -1259,24 +1278,9 @@ async fn a_429_storm_from_one_host_parks_that_host_only() {
 /// of everything the webhook received equals the reference.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_killed_while_a_standby_applies_a_shared_job_loses_nothing() {
-    let slow = HashMap::from([(RLARGE.to_owned(), std::time::Duration::from_secs(4))]);
-    let base = testkit::pds::start_slow(every_repo(), slow).await;
     let dir = tmpdir("shared-leader-kill");
-    let paced = relay_sim::SimConfig { rate: Some(80), initial_head: Some(0), ..relay_sim::SimConfig::default() };
-    let World { mut env, addr, plc: _plc, _relay, .. } = world_with(&base, resync_frames(), paced, &dir).await;
-    let redis = testkit::RedisServer::start();
-    let hook = testkit::http::Collector::start().await;
-    env.insert("REDIS_URL".into(), redis.url());
-    env.insert("FIREKEEPER_SINK".into(), "webhook".into());
-    env.insert("FIREKEEPER_WEBHOOK_URL".into(), hook.url.clone());
-    assert!(run_once(&env, &["cursor", "set", "0"]).status.success());
-    let mut env_a = env.clone();
-    env_a.insert("FIREKEEPER_SYNC_WORKERS".into(), "0".into());
-    let mut a = firekeeper(&env_a, &[], &dir.join("a.log"));
-    eventually("a leads", WAIT, async || {
-        http_get(&addr, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
-    })
-    .await;
+    let shared = shared_leader(4, &dir).await;
+    let Shared { env, addr, mut a, hook, _redis, _plc, _relay } = shared;
     let addr_b = format!("127.0.0.1:{}", free_port());
     let mut env_b = env.clone();
     env_b.insert("FIREKEEPER_HTTP_ADDR".into(), addr_b.clone());
