@@ -1044,6 +1044,14 @@ async fn three_replicas_share_a_backfill(store: &Store) {
     assert_reference(&testkit::fold::jsonl(&text));
 }
 
+/// Waits until the replica at `addr` leads.
+async fn until_leading(addr: &str) {
+    eventually("the first replica leads", WAIT, async || {
+        http_get(addr, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
+    })
+    .await;
+}
+
 /// A worker lost in the middle of a shared job's download: the leader takes no jobs
 /// (`FIREKEEPER_SYNC_WORKERS=0`), worker B claims the large repo (served in 4 s) and is
 /// killed or frozen; worker C takes the job over once B's claim has been idle for
@@ -1071,10 +1079,7 @@ async fn a_worker_lost_mid_download(freeze: bool) {
         (firekeeper(&e, &[], &dir.join(format!("{name}.log"))), addr)
     };
     let (a, addr_a) = start("a", "0");
-    eventually("a leads", WAIT, async || {
-        http_get(&addr_a, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
-    })
-    .await;
+    until_leading(&addr_a).await;
     let (mut b, addr_b) = start("b", "1");
     eventually("b has claimed the large repo's job", WAIT, async || {
         let Some((200, body)) = http_get(&addr_b, "/status").await else { return false };
@@ -1152,10 +1157,7 @@ async fn shared_leader(slow_s: u64, dir: &std::path::Path) -> Shared {
     let mut env_a = env.clone();
     env_a.insert("FIREKEEPER_SYNC_WORKERS".into(), "0".into());
     let a = firekeeper(&env_a, &[], &dir.join("a.log"));
-    eventually("a leads", WAIT, async || {
-        http_get(&addr, "/status").await.is_some_and(|(_, b)| b.contains("\"role\":\"leader\""))
-    })
-    .await;
+    until_leading(&addr).await;
     Shared { env, addr, a, hook, _redis: redis, _plc: plc, _relay: relay }
 }
 
@@ -1258,6 +1260,7 @@ async fn a_429_storm_from_one_host_parks_that_host_only() {
     let mut env_a = env.clone();
     env_a.insert("FIREKEEPER_HTTP_ADDR".into(), addr.clone());
     let a = firekeeper(&env_a, &[], &dir.join("a.log"));
+    until_leading(&addr).await;
     let b = firekeeper(&env, &[], &dir.join("b.log"));
     let landed = |did: &str| hook.text().lines().any(|l| l.contains("\"#resync\"") && l.contains(did));
     eventually("the calm host's repos landed", WAIT, async || on_calm.iter().all(|d| landed(d))).await;
