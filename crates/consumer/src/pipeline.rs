@@ -97,7 +97,6 @@ const BESIDE_WINDOW: usize = 1 << 16;
 /// goes on whatever the lane waits for (a store write that waits on the snapshot's
 /// transaction, say); it is aborted with the lane.
 struct Beside {
-    did: String,
     held: VecDeque<Event>,
     /// The snapshot's write (or the shared job's wait).
     write: tokio::task::JoinHandle<Landing>,
@@ -127,15 +126,18 @@ impl Drop for Beside {
     }
 }
 
-/// A snapshot beside the lane landing: which, and how; never resolves when there is none.
-async fn beside_lands(bs: &mut [Beside]) -> (usize, Landing) {
+/// The snapshots beside a lane, by repo (its events are looked up here one by one).
+type Besides = std::collections::HashMap<String, Beside>;
+
+/// A snapshot beside the lane landing: whose, and how; never resolves when there is none.
+async fn beside_lands(bs: &mut Besides) -> (String, Landing) {
     if bs.is_empty() {
         return std::future::pending().await;
     }
     std::future::poll_fn(|cx| {
-        for (i, b) in bs.iter_mut().enumerate() {
+        for (did, b) in bs.iter_mut() {
             if let std::task::Poll::Ready(r) = std::pin::Pin::new(&mut b.write).poll(cx) {
-                return std::task::Poll::Ready((i, r.unwrap_or(Landing::STOP)));
+                return std::task::Poll::Ready((did.clone(), r.unwrap_or(Landing::STOP)));
             }
         }
         std::task::Poll::Pending
@@ -147,6 +149,7 @@ async fn beside_lands(bs: &mut [Beside]) -> (usize, Landing) {
 /// its rev (those held are done at once, later ones are dropped as they come); the rest
 /// of the held events go back to the front of the lane, in order.
 fn landed(
+    did: String,
     mut b: Beside,
     covers: Option<u64>,
     covered: &mut std::collections::HashMap<String, u64>,
@@ -158,7 +161,7 @@ fn landed(
         if covered.len() >= LANE_COVERED_MAX {
             covered.clear();
         }
-        covered.insert(b.did.clone(), rev);
+        covered.insert(did, rev);
         let (gone, keep): (VecDeque<Event>, VecDeque<Event>) = held.into_iter().partition(|e| is_covered(covered, e));
         held = keep;
         if !gone.is_empty() {
@@ -176,7 +179,7 @@ fn landed(
 fn set_aside(
     batch: Vec<Event>,
     covered: &std::collections::HashMap<String, u64>,
-    besides: &mut [Beside],
+    besides: &mut Besides,
     done: &mpsc::UnboundedSender<Done>,
 ) -> Vec<Event> {
     if covered.is_empty() && besides.is_empty() {
@@ -187,7 +190,7 @@ fn set_aside(
     for e in batch {
         if !covered.is_empty() && is_covered(covered, &e) {
             gone.push(e.seq());
-        } else if let Some(b) = besides.iter_mut().find(|b| e.did() == Some(b.did.as_str())) {
+        } else if let Some(b) = e.did().and_then(|d| besides.get_mut(d)) {
             b.held.push_back(e);
         } else {
             rest.push(e);
@@ -604,15 +607,14 @@ impl Lane {
         let mut staged: Option<Staged> = None;
         let mut snapshots_open = true;
         // The snapshots beside the lane, and the queue having closed.
-        let mut besides: Vec<Beside> = Vec::new();
+        let mut besides = Besides::new();
         let mut closed = false;
         // Repos whose shared job landed, and the rev it covers.
         let mut covered: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         loop {
             let turn = staged.as_ref().is_some_and(|s| s.after <= taken);
-            let may_start = staged
-                .as_ref()
-                .is_some_and(|s| besides.len() < BESIDE_MAX && !besides.iter().any(|b| b.did == s.work.did()));
+            let may_start =
+                staged.as_ref().is_some_and(|s| besides.len() < BESIDE_MAX && !besides.contains_key(s.work.did()));
             if turn && may_start {
                 let s = staged.take().expect("a staged snapshot");
                 let did = s.work.did().to_owned();
@@ -626,14 +628,14 @@ impl Lane {
                 self.ctx.cursor_hold.set(true);
                 let (me, done) = (self.clone(), done.clone());
                 let write = tokio::spawn(async move { me.beside(s, &done).await });
-                besides.push(Beside { did, held: VecDeque::new(), write });
+                besides.insert(did, Beside { held: VecDeque::new(), write });
                 continue;
             }
             if closed && carry.is_empty() && besides.is_empty() {
                 break;
             }
             // A turn that cannot start yet waits for a snapshot to land; so does a full hold.
-            let held_full = besides.iter().any(|b| b.held.len() >= HOLD_MAX);
+            let held_full = besides.values().any(|b| b.held.len() >= HOLD_MAX);
             let room =
                 (w.inflight.is_empty() || w.held < ahead) && !turn && !held_full && !(closed && carry.is_empty());
             let limit = staged.as_ref().map_or(usize::MAX, |s| usize::try_from(s.after - taken).unwrap_or(usize::MAX));
@@ -646,12 +648,12 @@ impl Lane {
                         return;
                     }
                 }
-                (i, landing) = beside_lands(&mut besides) => {
-                    let b = besides.swap_remove(i);
+                (did, landing) = beside_lands(&mut besides) => {
+                    let b = besides.remove(&did).expect("the snapshot that landed");
                     if !landing.go_on {
                         return;
                     }
-                    landed(b, landing.covers, &mut covered, &mut carry, &done);
+                    landed(did, b, landing.covers, &mut covered, &mut carry, &done);
                     self.ctx.cursor_hold.set(!besides.is_empty());
                 }
                 s = snapshots.recv(), if staged.is_none() && snapshots_open => match s {

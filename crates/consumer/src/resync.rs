@@ -562,14 +562,15 @@ impl Job {
                 }
             }
             Err(e) => {
-                let (outcome, label) = classify(&e);
+                let result = crate::shared::JobResult::of_fetch(&e);
+                let (outcome, label) = result.outcome();
                 if label == "parked" {
                     // Its host said to wait: one line for the 429, not one per repo it hosts.
                     tracing::debug!(repo = %did, error = %e, "resync waits for its host's rate limit");
                 } else {
                     tracing::warn!(repo = %did, error = %e, outcome = label, "resync failed");
                 }
-                metrics::counter!(m::RESYNCS, "outcome" => label, "reason" => reason).increment(1);
+                metrics::counter!(m::RESYNCS, "outcome" => label.to_owned(), "reason" => reason).increment(1);
                 outcome
             }
         };
@@ -597,53 +598,35 @@ impl Job {
         if ready.send(Ready { work: crate::pipeline::SnapshotWork::Remote(job), done }).await.is_err() {
             return;
         }
-        let (outcome, label) = match answer.await {
-            Ok(Ok(Some(JobResult::Done { rev, records, bytes, by, .. }))) => {
-                if let Some(stats) = &self.r.stats {
-                    stats.landed(&by, records);
-                }
-                tracing::info!(repo = %did, rev, records, bytes, reason, by, ms = started.elapsed().as_millis() as u64, "repo resynchronised (a shared job landed)");
-                metrics::counter!(m::RESYNC_RECORDS).increment(records);
-                metrics::counter!(m::RESYNC_BYTES).increment(bytes);
-                self.desync.meter.add(now_ms().unsigned_abs() / 1000, records, bytes);
-                metrics::histogram!(m::RESYNC_SECONDS).record(started.elapsed().as_secs_f64());
-                (Outcome::Done(crate::chain::tid(&rev)), "done".to_owned())
-            }
-            Ok(Ok(Some(JobResult::Stale { rev }))) => {
-                tracing::info!(repo = %did, rev, "the PDS served a repo older than a commit already handed over: fetching again");
-                (Outcome::Later(now_ms()), "stale".to_owned())
-            }
-            Ok(Ok(Some(JobResult::Gone))) => (Outcome::Gone, "gone".to_owned()),
-            Ok(Ok(Some(JobResult::Later { at }))) => (Outcome::Later(at), "rate_limited".to_owned()),
-            Ok(Ok(Some(JobResult::Failed { why, label }))) => {
-                tracing::warn!(repo = %did, error = %why, outcome = %label, "a shared resync job failed");
-                (Outcome::Failed, label)
-            }
-            Ok(Ok(None) | Err(_)) => (Outcome::Failed, "undelivered".to_owned()),
+        let result = match answer.await {
+            Ok(Ok(Some(r))) => r,
+            Ok(Ok(None) | Err(_)) => JobResult::Failed { why: "not delivered".into(), label: "undelivered".into() },
             // The term ended: the next one queues the repo again.
             Err(_) => return,
         };
-        metrics::counter!(m::RESYNCS, "outcome" => label, "reason" => reason).increment(1);
+        match &result {
+            JobResult::Done { rev, records, bytes, by, .. } => {
+                if let Some(stats) = &self.r.stats {
+                    stats.landed(by, *records);
+                }
+                tracing::info!(repo = %did, rev, records, bytes, reason, by, ms = started.elapsed().as_millis() as u64, "repo resynchronised (a shared job landed)");
+                metrics::counter!(m::RESYNC_RECORDS).increment(*records);
+                metrics::counter!(m::RESYNC_BYTES).increment(*bytes);
+                self.desync.meter.add(now_ms().unsigned_abs() / 1000, *records, *bytes);
+                metrics::histogram!(m::RESYNC_SECONDS).record(started.elapsed().as_secs_f64());
+            }
+            JobResult::Stale { rev } => {
+                tracing::info!(repo = %did, rev, "the PDS served a repo older than a commit already handed over: fetching again");
+            }
+            JobResult::Failed { why, label } => {
+                tracing::warn!(repo = %did, error = %why, outcome = %label, "a shared resync job failed");
+            }
+            JobResult::Gone | JobResult::Later { .. } => {}
+        }
+        let (outcome, label) = result.outcome();
+        metrics::counter!(m::RESYNCS, "outcome" => label.to_owned(), "reason" => reason).increment(1);
         self.desync.finish(&did, outcome);
         let _ = keep(self.store.as_ref(), &self.desync, &did, &self.ctx).await;
-    }
-}
-
-/// Try again once `wait` is over, without counting an attempt.
-fn later(wait: Duration) -> Outcome {
-    Outcome::Later(now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX / 4)))
-}
-
-/// What a failed fetch means for the queue, and its metric label.
-fn classify(e: &CheckError) -> (Outcome, &'static str) {
-    match e {
-        CheckError::Fetch(FetchError::Gone(_)) => (Outcome::Gone, "gone"),
-        CheckError::Fetch(FetchError::RateLimited(rl)) => {
-            (later(rl.wait.unwrap_or(repo_sync::hosts::DEFAULT_PARK)), "rate_limited")
-        }
-        CheckError::Fetch(FetchError::Parked(left)) => (later(*left), "parked"),
-        CheckError::Verify(_) => (Outcome::Failed, "invalid"),
-        _ => (Outcome::Failed, "failed"),
     }
 }
 

@@ -77,7 +77,16 @@ pub(crate) enum JobResult {
     Later {
         /// Unix ms.
         at: i64,
+        /// The metric's outcome label: `rate_limited` (this fetch got a 429) or `parked`
+        /// (its host was still parked by an earlier one).
+        #[serde(default = "rate_limited")]
+        label: String,
     },
+}
+
+/// The label of a `Later` recorded without one.
+fn rate_limited() -> String {
+    "rate_limited".into()
 }
 
 impl JobResult {
@@ -95,16 +104,33 @@ impl JobResult {
     }
 
     /// What a failed fetch means for the queue.
-    fn of_fetch(e: &CheckError) -> Self {
-        let later = |wait: Duration| Self::Later {
+    pub(crate) fn of_fetch(e: &CheckError) -> Self {
+        let later = |wait: Duration, label: &str| Self::Later {
             at: crate::verify::now_ms().saturating_add(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX / 4)),
+            label: label.into(),
         };
         match e {
             CheckError::Fetch(FetchError::Gone(_)) => Self::Gone,
-            CheckError::Fetch(FetchError::RateLimited(rl)) => later(rl.wait.unwrap_or(repo_sync::hosts::DEFAULT_PARK)),
-            CheckError::Fetch(FetchError::Parked(left)) => later(*left),
+            CheckError::Fetch(FetchError::RateLimited(rl)) => {
+                later(rl.wait.unwrap_or(repo_sync::hosts::DEFAULT_PARK), "rate_limited")
+            }
+            CheckError::Fetch(FetchError::Parked(left)) => later(*left, "parked"),
             CheckError::Verify(_) => Self::Failed { why: e.to_string(), label: "invalid".into() },
             _ => Self::Failed { why: e.to_string(), label: "failed".into() },
+        }
+    }
+}
+
+impl JobResult {
+    /// What the result means for the leader's queue, and its metric's outcome label.
+    pub(crate) fn outcome(&self) -> (crate::verify::Outcome, &str) {
+        use crate::verify::Outcome;
+        match self {
+            Self::Done { rev, .. } => (Outcome::Done(crate::chain::tid(rev)), "done"),
+            Self::Stale { .. } => (Outcome::Later(crate::verify::now_ms()), "stale"),
+            Self::Failed { label, .. } => (Outcome::Failed, label),
+            Self::Gone => (Outcome::Gone, "gone"),
+            Self::Later { at, label } => (Outcome::Later(*at), label),
         }
     }
 }
@@ -115,11 +141,9 @@ impl JobResult {
 pub struct WorkerStats {
     /// This replica's workers (0: it takes no jobs); `None` while repo sync is not shared.
     pub workers: std::sync::OnceLock<usize>,
-    /// The queue's jobs waiting and claimed, as the leader last read them (`u64::MAX`:
-    /// not known here).
-    pub queued: AtomicU64,
-    /// See `queued`.
-    pub claimed: AtomicU64,
+    /// The queue's jobs waiting and claimed, as the leader last read them (`None`: not
+    /// known here).
+    pub queue: std::sync::Mutex<Option<checkpoint::JobCounts>>,
     /// On the leader: the jobs that landed in its terms, by the instance that wrote them,
     /// and their records.
     pub by_replica: std::sync::Mutex<std::collections::BTreeMap<String, Landed>>,
@@ -168,15 +192,15 @@ impl WorkerStats {
     /// What `/status` shows; `None` while repo sync is not shared.
     #[must_use]
     pub fn view(&self) -> Option<SyncJobs> {
-        let known = |a: &AtomicU64| Some(a.load(Ordering::Relaxed)).filter(|v| *v != u64::MAX);
+        let queue = self.queue.lock().ok().and_then(|q| *q);
         Some(SyncJobs {
             workers: *self.workers.get()?,
             in_flight: self.in_flight.load(Ordering::Relaxed),
             done: self.done.load(Ordering::Relaxed),
             records: self.records.load(Ordering::Relaxed),
             late: self.late.load(Ordering::Relaxed),
-            queued: known(&self.queued),
-            claimed: known(&self.claimed),
+            queued: queue.map(|q| q.queued),
+            claimed: queue.map(|q| q.claimed),
             by_replica: self.by_replica.lock().map(|m| m.clone()).unwrap_or_default(),
         })
     }
@@ -196,11 +220,12 @@ impl WorkerStats {
 
     /// The leader read the queue's counts (`None`: its term ended: unknown here).
     pub(crate) fn set_queue(&self, c: Option<checkpoint::JobCounts>) {
-        let (q, cl) = c.map_or((u64::MAX, u64::MAX), |c| (c.queued, c.claimed));
-        self.queued.store(q, Ordering::Relaxed);
-        self.claimed.store(cl, Ordering::Relaxed);
-        metrics::gauge!(m::SYNC_QUEUE, "state" => "queued").set(if q == u64::MAX { 0.0 } else { q as f64 });
-        metrics::gauge!(m::SYNC_QUEUE, "state" => "claimed").set(if cl == u64::MAX { 0.0 } else { cl as f64 });
+        if let Ok(mut q) = self.queue.lock() {
+            *q = c;
+        }
+        let shown = c.unwrap_or_default();
+        metrics::gauge!(m::SYNC_QUEUE, "state" => "queued").set(shown.queued as f64);
+        metrics::gauge!(m::SYNC_QUEUE, "state" => "claimed").set(shown.claimed as f64);
     }
 }
 

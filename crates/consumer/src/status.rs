@@ -164,11 +164,7 @@ impl Default for StatusHandle {
             sink_failing: AtomicBool::new(false),
             commit_stalled: AtomicBool::new(false),
             desync: Arc::default(),
-            workers: Arc::new(crate::shared::WorkerStats {
-                queued: u64::MAX.into(),
-                claimed: u64::MAX.into(),
-                ..Default::default()
-            }),
+            workers: Arc::default(),
             lease_trouble: std::sync::OnceLock::new(),
             starting_why: Mutex::new(None),
             held_back: AtomicBool::new(false),
