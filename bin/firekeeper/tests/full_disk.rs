@@ -165,15 +165,7 @@ async fn a_full_disk_while_a_repo_spills_fails_that_fetch_and_the_retry_lands() 
     })
     .await;
     assert!(sigterm_and_wait(child).success());
-    let left: Vec<_> = std::fs::read_dir(dir.join("data"))
-        .expect("dir")
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".getrepo."))
-        .collect();
-    assert!(left.is_empty(), "spill files left: {left:?}");
+    testkit::assert_no_spill_left(&dir.join("data"));
     let folded = testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output"));
-    for (did, (count, digest)) in testkit::fold::reference() {
-        let got = folded.get(&did).cloned().unwrap_or_default();
-        assert_eq!((got.len() as u64, testkit::fold::digest(&got)), (count, digest), "{did}");
-    }
+    testkit::fold::assert_reference(&folded, "the fold after the disk grew");
 }

@@ -146,11 +146,7 @@ async fn records_table(url: &str) -> testkit::fold::Folded {
 
 /// Every repo's records equal the reference set.
 fn assert_reference(folded: &testkit::fold::Folded) {
-    for (did, (count, digest)) in testkit::fold::reference() {
-        let got = folded.get(&did).cloned().unwrap_or_default();
-        assert_eq!(got.len() as u64, count, "{did}: record count");
-        assert_eq!(testkit::fold::digest(&got), digest, "{did}: records");
-    }
+    testkit::fold::assert_reference(folded, "the fold");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,12 +301,7 @@ async fn a_repo_spilled_to_disk_fills_the_postgres_records_table_a_part_at_a_tim
 
 /// No `getRepo` body is left in the data directory under `dir`, where they were spilled.
 fn assert_no_spill_left(dir: &std::path::Path) {
-    let left: Vec<_> = std::fs::read_dir(dir.join("data"))
-        .expect("dir")
-        .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".getrepo."))
-        .collect();
-    assert!(left.is_empty(), "spill files left: {left:?}");
+    testkit::assert_no_spill_left(&dir.join("data"));
 }
 
 async fn the_postgres_records_table_equals_the_reference(extra: &[(&str, &str)]) -> std::path::PathBuf {
@@ -655,8 +646,7 @@ async fn a_repo_fetched_through_a_redirecting_relay_is_verified_and_delivered() 
     assert!(sigterm_and_wait(child).success());
     assert!(redirected.load(std::sync::atomic::Ordering::Relaxed) >= 1, "asked through the relay");
     let folded = testkit::fold::jsonl(&std::fs::read_to_string(&out).expect("output"));
-    let (count, digest) = &testkit::fold::reference()[RLARGE];
-    assert_eq!((folded[RLARGE].len() as u64, testkit::fold::digest(&folded[RLARGE])), (*count, digest.clone()));
+    testkit::fold::assert_repo(&folded, RLARGE, "through the relay");
 }
 
 /// The PDS's faults, with the outcome a user expects: a repo it does not host is `gone`
@@ -1109,14 +1099,7 @@ async fn a_worker_lost_mid_download(freeze: bool) {
         let log = std::fs::read_to_string(dir.join("b.log")).expect("log");
         assert!(log.contains("late: "), "b says why it writes nothing: {log}");
     }
-    let folded = testkit::fold::jsonl(&text);
-    let (count, digest) = testkit::fold::reference()[RLARGE].clone();
-    let got = folded.get(RLARGE).cloned().unwrap_or_default();
-    assert_eq!(
-        (got.len() as u64, testkit::fold::digest(&got)),
-        (count, digest),
-        "the large repo folds to the reference"
-    );
+    testkit::fold::assert_repo(&testkit::fold::jsonl(&text), RLARGE, "the large repo's fold");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

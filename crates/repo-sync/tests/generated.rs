@@ -63,8 +63,7 @@ async fn a_generated_repo_arrives_whole_in_parts_from_memory_and_from_disk() {
         assert_eq!(next, N, "every record once, in key order ({memory_bytes} bytes in memory)");
         assert!(sizes.len() > 1 && sizes.iter().all(|&s| s <= PART_RECORDS), "{sizes:?}");
     }
-    let left = std::fs::read_dir(&dir).expect("dir").filter_map(Result::ok);
-    assert!(left.filter(|e| e.file_name().to_string_lossy().starts_with(".getrepo.")).count() == 0, "spill removed");
+    testkit::assert_no_spill_left(&dir);
     // A filter that keeps no collection: the commit, no records.
     let nothing: repo_sync::snapshot::Wants = Some(Arc::new(|_: &str| false));
     let limits = Limits { spill_dir: dir.clone(), ..Limits::default() };

@@ -89,3 +89,24 @@ pub fn reference() -> BTreeMap<String, (u64, String)> {
         })
         .collect()
 }
+
+/// Asserts that `folded` holds `did`'s reference records (their count and digest);
+/// `what` names the run in a failure.
+///
+/// # Panics
+/// When it does not, or the fixture is missing.
+pub fn assert_repo(folded: &Folded, did: &str, what: &str) {
+    let (count, digest) = reference().remove(did).expect("a reference repo");
+    let got = folded.get(did).cloned().unwrap_or_default();
+    assert_eq!((got.len() as u64, self::digest(&got)), (count, digest), "{what}: {did}: record count and digest");
+}
+
+/// Asserts that `folded` holds every reference repo's records ([`assert_repo`]).
+///
+/// # Panics
+/// When it does not, or the fixture is missing.
+pub fn assert_reference(folded: &Folded, what: &str) {
+    for did in reference().keys() {
+        assert_repo(folded, did, what);
+    }
+}

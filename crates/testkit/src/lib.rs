@@ -159,6 +159,19 @@ pub fn sigstop(pid: u32) {
     }
 }
 
+/// Asserts that no `getRepo` body spilled to disk (`.getrepo.*`) is left in `dir`.
+///
+/// # Panics
+/// When one is, or `dir` cannot be read.
+pub fn assert_no_spill_left(dir: &std::path::Path) {
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .expect("dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".getrepo."))
+        .collect();
+    assert!(left.is_empty(), "spill files left: {left:?}");
+}
+
 /// Resumes a process [`sigstop`] stopped.
 ///
 /// # Panics
