@@ -198,6 +198,26 @@ pub enum DecodeError {
         /// The configured limit.
         max: usize,
     },
+    /// A Jetstream frame that is not the JSON it should be.
+    #[error("invalid Jetstream JSON: {detail}")]
+    Json {
+        /// What the parser said.
+        detail: String,
+    },
+    /// A Jetstream event of a kind this version does not know.
+    #[error("unknown Jetstream event kind {kind:?}")]
+    UnknownKind {
+        /// The kind (v1) or `$type` (v2).
+        kind: String,
+        /// Its stamp, when it had one.
+        stamp: Option<u64>,
+    },
+    /// A compressed Jetstream frame that does not decompress with the dictionary.
+    #[error("zstd frame does not decompress: {detail}")]
+    Zstd {
+        /// What the decompressor said.
+        detail: String,
+    },
     /// A text WebSocket message: the firehose is binary only.
     #[error("text WebSocket message ({len} bytes) where a binary frame was expected")]
     TextMessage {
@@ -221,6 +241,9 @@ impl DecodeError {
             Self::BadValue { .. } => "bad_value",
             Self::TooLarge { .. } => "too_large",
             Self::TextMessage { .. } => "text_message",
+            Self::Json { .. } => "json",
+            Self::UnknownKind { .. } => "unknown_kind",
+            Self::Zstd { .. } => "zstd",
         }
     }
 }

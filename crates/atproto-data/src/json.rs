@@ -219,6 +219,11 @@ pub fn write_frame_with(frame: &Frame<'_>, opts: &FrameOptions<'_>, out: &mut St
 /// Appends the one-line JSON form of a message (an `op = 1` frame); see [`write_frame_with`].
 pub fn write_message_with(m: &Message<'_>, opts: &FrameOptions<'_>, out: &mut String) -> Result<Written, DecodeError> {
     let mut written = Written::default();
+    if let Message::Jet(j) = m {
+        // Jetstream's own JSON, as received.
+        out.push_str(j.json);
+        return Ok(written);
+    }
     out.push('{');
     if let Some(seq) = m.seq() {
         let _ = write!(out, "\"seq\":{seq},");
@@ -295,7 +300,7 @@ pub fn write_message_with(m: &Message<'_>, opts: &FrameOptions<'_>, out: &mut St
             field_str(out, "name", i.name);
             field_opt_str(out, "message", i.message);
         }
-        Message::Unknown { .. } => {}
+        Message::Unknown { .. } | Message::Jet(_) => {}
     }
     out.push('}');
     Ok(written)

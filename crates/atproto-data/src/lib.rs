@@ -21,6 +21,7 @@ pub mod cid;
 pub mod error;
 pub mod frame;
 pub mod hash;
+pub mod jetstream;
 pub mod json;
 pub mod tid;
 pub mod time;

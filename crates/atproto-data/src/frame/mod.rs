@@ -72,6 +72,9 @@ pub enum Message<'a> {
     Account(Account<'a>),
     /// `#info`: informational message from the relay, e.g. `OutdatedCursor`.
     Info(Info<'a>),
+    /// An event read from Jetstream (JSON, one record op per commit, no blocks and no
+    /// signature): see [`crate::jetstream`].
+    Jet(crate::jetstream::Event<'a>),
     /// A type this version does not know: counted and skipped, for forward compatibility.
     Unknown {
         /// The header's `t`.
@@ -90,6 +93,7 @@ impl Message<'_> {
             Self::Sync(s) => Some(s.seq),
             Self::Identity(i) => Some(i.seq),
             Self::Account(a) => Some(a.seq),
+            Self::Jet(j) => Some(j.stamp),
             Self::Info(_) => None,
             Self::Unknown { seq, .. } => *seq,
         }
@@ -112,6 +116,7 @@ impl Message<'_> {
             Self::Sync(_) => Kind::Sync,
             Self::Identity(_) => Kind::Identity,
             Self::Account(_) => Kind::Account,
+            Self::Jet(j) => j.kind,
             Self::Info(_) => Kind::Info,
             Self::Unknown { .. } => Kind::Unknown,
         }
@@ -126,6 +131,7 @@ impl Message<'_> {
             Self::Sync(s) => Some(s.time),
             Self::Identity(i) => Some(i.time),
             Self::Account(a) => Some(a.time),
+            Self::Jet(j) => j.upstream_time,
             Self::Info(_) | Self::Unknown { .. } => None,
         }
     }
@@ -138,7 +144,20 @@ impl Message<'_> {
             Self::Sync(s) => Some(s.did),
             Self::Identity(i) => Some(i.did),
             Self::Account(a) => Some(a.did),
+            Self::Jet(j) => Some(j.did),
             Self::Info(_) | Self::Unknown { .. } => None,
+        }
+    }
+}
+
+impl Message<'_> {
+    /// A Jetstream event's stamp (Unix microseconds, the instance's clock); `None` for
+    /// firehose messages.
+    #[must_use]
+    pub fn stamp(&self) -> Option<u64> {
+        match self {
+            Self::Jet(j) => Some(j.stamp),
+            _ => None,
         }
     }
 }
