@@ -14,6 +14,8 @@ pub struct Watermark {
     committable: Option<u64>,
     capacity: usize,
     done_in_window: usize,
+    /// Positions may repeat (Jetstream stamps: the ops of one commit share one).
+    ties: bool,
 }
 
 /// Why a delivery was refused.
@@ -42,7 +44,18 @@ impl Watermark {
             committable: start,
             capacity: capacity.max(1),
             done_in_window: 0,
+            ties: false,
         }
+    }
+
+    /// The same tracker for positions that repeat (Jetstream stamps): an event may be
+    /// delivered at the last position again, and a position becomes committable only
+    /// once every event delivered at it is done (a resume from it hands over the events
+    /// at exactly that position again, so none of them can be lost).
+    #[must_use]
+    pub fn with_ties(mut self) -> Self {
+        self.ties = true;
+        self
     }
 
     /// True when [`Watermark::deliver`] has room for one more event. The window counts
@@ -59,7 +72,7 @@ impl Watermark {
             return Err(WatermarkError::Full(self.capacity));
         }
         let last = self.window.back().map(|e| e.0).or(self.committable);
-        if let Some(last) = last.filter(|&l| seq <= l) {
+        if let Some(last) = last.filter(|&l| seq < l || (seq == l && !self.ties)) {
             return Err(WatermarkError::OutOfOrder { seq, last });
         }
         self.window.push_back((seq, false));
@@ -68,8 +81,19 @@ impl Watermark {
 
     /// Marks a delivered event done. Returns false for a seq not in flight.
     pub fn complete(&mut self, seq: u64) -> bool {
-        let Ok(i) = self.window.binary_search_by(|e| e.0.cmp(&seq)) else {
-            return false;
+        let i = if self.ties {
+            // The first of the position's events not done yet.
+            let from = self.window.partition_point(|e| e.0 < seq);
+            let mut at = (from..self.window.len()).take_while(|&i| self.window[i].0 == seq);
+            match at.find(|&i| !self.window[i].1) {
+                Some(i) => i,
+                None => return false,
+            }
+        } else {
+            let Ok(i) = self.window.binary_search_by(|e| e.0.cmp(&seq)) else {
+                return false;
+            };
+            i
         };
         if self.window[i].1 {
             return false;
@@ -79,7 +103,10 @@ impl Watermark {
         while let Some(&(s, true)) = self.window.front() {
             self.window.pop_front();
             self.done_in_window -= 1;
-            self.committable = Some(s);
+            // With ties, a position is committable once nothing at it is left.
+            if !self.ties || self.window.front().is_none_or(|f| f.0 != s) {
+                self.committable = Some(s);
+            }
         }
         true
     }
@@ -106,6 +133,26 @@ impl Watermark {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_ties_a_position_is_committable_only_when_all_its_events_are_done() {
+        let mut w = Watermark::new(Some(10), 16).with_ties();
+        w.deliver(10).expect("the resume position again");
+        w.deliver(12).expect("first");
+        w.deliver(12).expect("a tie");
+        w.deliver(12).expect("another");
+        assert!(w.deliver(11).is_err(), "backwards");
+        assert!(w.complete(10));
+        assert_eq!(w.committable(), Some(10));
+        assert!(w.complete(12));
+        assert!(w.complete(12));
+        assert_eq!(w.committable(), Some(10), "one event at 12 is not done");
+        assert!(w.complete(12));
+        assert!(!w.complete(12), "all three done");
+        assert_eq!(w.committable(), Some(12));
+        let mut plain = Watermark::new(Some(10), 16);
+        assert!(plain.deliver(10).is_err(), "without ties a position is never delivered twice");
+    }
 
     struct Rng(u64);
     impl Rng {
