@@ -67,6 +67,16 @@ pub enum BadFramePolicy {
 /// times the configured one, if larger) only to learn the frame's seq.
 pub const OVERSIZE_PROBE_BYTES: usize = 64 << 20;
 
+/// What the subscription reads.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Input {
+    /// `com.atproto.sync.subscribeRepos`: DAG-CBOR frames with seqs.
+    #[default]
+    Firehose,
+    /// A Jetstream instance: JSON events placed by their stamp (`time_us`).
+    Jetstream(crate::jetstream::Options),
+}
+
 /// Connection settings. The defaults suit the public Bluesky relays.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -97,6 +107,11 @@ pub struct ClientConfig {
     pub future_cursor: FutureCursorPolicy,
     /// What to do with an undecodable or oversized frame that has a seq.
     pub bad_frame: BadFramePolicy,
+    /// Firehose or Jetstream.
+    pub input: Input,
+    /// Jetstream only: stop with [`SubscribeError::Gap`](crate::SubscribeError::Gap)
+    /// when the instance no longer serves the cursor (else report it and go on).
+    pub refuse_gaps: bool,
 }
 
 impl Default for ClientConfig {
@@ -115,6 +130,8 @@ impl Default for ClientConfig {
             probe_hold: Duration::from_secs(1),
             future_cursor: FutureCursorPolicy::Fail,
             bad_frame: BadFramePolicy::Fail,
+            input: Input::Firehose,
+            refuse_gaps: true,
         }
     }
 }

@@ -65,6 +65,35 @@ pub enum SubscribeError {
         /// The limit it exceeded.
         max: usize,
     },
+    /// A Jetstream frame that could not be decoded, under the `fail` policy: every
+    /// Jetstream frame may be an event, so the subscription stops before it.
+    #[error(
+        "{relay} Jetstream instance sent a frame after position {after:?} that cannot be decoded ({error}); under \
+         the `fail` bad-frame policy the cursor stays before it (the `skip` policy steps over such frames)"
+    )]
+    BadJetstreamFrame {
+        /// Which instance.
+        relay: crate::RelayRole,
+        /// The last position delivered before it.
+        after: Option<u64>,
+        /// What was wrong with it.
+        error: DecodeError,
+    },
+    /// The Jetstream instance no longer serves events from the cursor (it said so, or
+    /// v1 silently started at its oldest event), and the gap policy refuses gaps.
+    #[error(
+        "{relay} Jetstream instance no longer serves events from cursor {cursor} (time_us; its oldest is {oldest:?}): \
+         events in between would be lost; set FIREKEEPER_GAP=live to accept the gap, or choose the start with \
+         `firekeeper cursor set`"
+    )]
+    Gap {
+        /// Which instance.
+        relay: crate::RelayRole,
+        /// The cursor asked for.
+        cursor: u64,
+        /// The stamp it started at instead, when known.
+        oldest: Option<u64>,
+    },
     /// The subscription was closed by the caller.
     #[error("subscription closed")]
     Closed,

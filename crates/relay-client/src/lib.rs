@@ -16,13 +16,14 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod item;
+pub mod jetstream;
 pub mod probe;
 pub mod relay_url;
 
 pub use atproto_data::{capture, car, cbor, cid, frame, json};
 
 pub use client::Subscription;
-pub use config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, RelayRole};
+pub use config::{BadFramePolicy, ClientConfig, FutureCursorPolicy, Input, RelayRole};
 pub use error::{CborError, CidError, ConnError, DecodeError, SubscribeError, UrlError};
 pub use frame::{Frame, Kind, MAX_SEQ, Message, decode};
 pub use item::{Item, Notice, OwnedFrame, Stats, SwitchReason};

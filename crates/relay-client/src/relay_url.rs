@@ -75,6 +75,11 @@ impl RelayUrl {
         u
     }
 
+    /// The URL as configured (with its credentials: never logged).
+    pub(crate) fn url(&self) -> &Url {
+        &self.url
+    }
+
     /// The relay's HTTP origin (`wss://host` as `https://host`, `ws://` as `http://`), for
     /// its XRPC endpoints such as `listRepos`. Never logged (it may carry credentials).
     #[must_use]

@@ -14,6 +14,7 @@
 //! - [`RelaySim`] / [`SimHandle`]: the server and its remote control.
 
 pub mod capture;
+pub mod jetstream;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -77,6 +78,8 @@ struct Shared {
     cursors: Mutex<Vec<Option<u64>>>,
     /// The oldest seq kept after [`SimHandle::trim`] (0: none trimmed).
     trimmed: AtomicU64,
+    /// As a Jetstream instance: its events, one per log entry (same index).
+    jet: Option<Vec<jetstream::Row>>,
 }
 
 /// A running simulated relay.
@@ -252,8 +255,6 @@ impl RelaySim {
 
     /// Starts with explicit settings on `addr`.
     pub async fn start_with(frames: Vec<Bytes>, cfg: SimConfig, addr: SocketAddr) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
-        let addr = listener.local_addr()?;
         let frames: Vec<(u64, Bytes)> = {
             let mut last = 0;
             frames
@@ -264,6 +265,31 @@ impl RelaySim {
                 })
                 .collect()
         };
+        Self::launch(frames, None, cfg, addr).await
+    }
+
+    /// Starts as a Jetstream instance serving the capture's events (v1 and v2, plain or
+    /// compressed, as each connection asks), stamped by `clock`. `cfg.window_start` is
+    /// then the oldest stamp served, and [`SimHandle::trim`] takes a stamp.
+    pub async fn start_jetstream(
+        frames: &[Bytes],
+        clock: &jetstream::Clock,
+        cfg: SimConfig,
+        addr: SocketAddr,
+    ) -> std::io::Result<Self> {
+        let rows = jetstream::rows(frames, clock);
+        let log = rows.iter().map(|r| (r.stamp, r.v1.clone())).collect();
+        Self::launch(log, Some(rows), cfg, addr).await
+    }
+
+    async fn launch(
+        frames: Vec<(u64, Bytes)>,
+        jet: Option<Vec<jetstream::Row>>,
+        cfg: SimConfig,
+        addr: SocketAddr,
+    ) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
         let head = cfg.initial_head.unwrap_or(frames.len()).min(frames.len());
         let shared = Arc::new(Shared {
             log: Mutex::new(Log { frames }),
@@ -276,6 +302,7 @@ impl RelaySim {
             open: AtomicU64::new(0),
             cursors: Mutex::new(Vec::new()),
             trimmed: AtomicU64::new(0),
+            jet,
         });
         let handle = SimHandle { shared: shared.clone() };
         if let Some(rate) = cfg.rate.filter(|&r| r > 0) {
@@ -473,13 +500,31 @@ enum Start {
 
 async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite::tungstenite::Error> {
     let mut query = None;
+    let mut path = String::new();
     // The callback's signature is tungstenite's: its error type is the HTTP response.
     #[allow(clippy::result_large_err)]
     let ws = tokio_tungstenite::accept_hdr_async(tcp, |req: &Request, resp: Response| {
         query = req.uri().query().map(str::to_owned);
+        req.uri().path().clone_into(&mut path);
         Ok(resp)
     })
     .await?;
+    if let Some(rows) = &shared.jet {
+        let Some(ask) = jetstream::Ask::parse(&path, query.as_deref()) else {
+            let (mut tx, _) = ws.split();
+            return tx.close().await;
+        };
+        return serve_jet(ws, shared, rows, ask).await;
+    }
+    serve_firehose(ws, shared, query).await
+}
+
+/// A connection to the simulator as a relay.
+async fn serve_firehose(
+    ws: tokio_tungstenite::WebSocketStream<TcpStream>,
+    shared: &Shared,
+    query: Option<String>,
+) -> Result<(), tokio_tungstenite::tungstenite::Error> {
     let (mut tx, mut rx) = ws.split();
     let mut faults = shared.faults.subscribe();
     // Taken down while this connection was being accepted: its close went out before the
@@ -570,6 +615,107 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
                 Some(Ok(_)) => {}
             },
         }
+    }
+}
+
+/// A connection to the simulator as a Jetstream instance.
+async fn serve_jet(
+    ws: tokio_tungstenite::WebSocketStream<TcpStream>,
+    shared: &Shared,
+    rows: &[jetstream::Row],
+    ask: Result<jetstream::Ask, String>,
+) -> Result<(), tokio_tungstenite::tungstenite::Error> {
+    let (mut tx, mut rx) = ws.split();
+    let mut faults = shared.faults.subscribe();
+    if shared.down.load(Ordering::SeqCst) {
+        return tx.close().await;
+    }
+    let mut head = shared.head.subscribe();
+    let mut stalled = shared.stalled.subscribe();
+    shared.connects.fetch_add(1, Ordering::SeqCst);
+    let mut ask = match ask {
+        Ok(a) => a,
+        Err(e) => {
+            tx.send(Message::Text(
+                String::from_utf8_lossy(&jetstream::error_frame("InvalidRequest", &e)).into_owned().into(),
+            ))
+            .await?;
+            return tx.close().await;
+        }
+    };
+    shared.cursors.lock().expect("cursors").push(ask.cursor);
+    let v2 = ask.version == Some(relay_client::jetstream::Version::V2);
+    let (mut next, outdated) = {
+        let h = (*head.borrow()).min(rows.len());
+        let mut window = shared.cfg.window_start.unwrap_or(0).max(shared.trimmed.load(Ordering::SeqCst));
+        if let Some(n) = shared.cfg.window_len
+            && h > n
+        {
+            window = window.max(rows[h - n].stamp);
+        }
+        ask.start(rows, h, window)
+    };
+    if outdated && v2 {
+        tx.send(Message::Text(String::from_utf8_lossy(&jetstream::info_outdated()).into_owned().into())).await?;
+    }
+    loop {
+        if !*stalled.borrow() {
+            let h = (*head.borrow()).min(rows.len());
+            let end = h.min(next + 256);
+            if next < end {
+                for row in &rows[next..end] {
+                    if !ask.wants(row) {
+                        continue;
+                    }
+                    let (frame, binary) = ask.frame(row);
+                    let msg = if binary {
+                        Message::Binary(frame)
+                    } else {
+                        Message::Text(String::from_utf8_lossy(&frame).into_owned().into())
+                    };
+                    tx.feed(msg).await?;
+                }
+                next = end;
+                tx.flush().await?;
+                tokio::task::yield_now().await;
+                if let Ok(f) = faults.try_recv()
+                    && apply_jet(&mut tx, f, v2).await?
+                {
+                    return Ok(());
+                }
+                continue;
+            }
+        }
+        // Faults first: one sent before a publish reaches the client before its events.
+        tokio::select! {
+            biased;
+            f = faults.recv() => match f {
+                Ok(f) => if apply_jet(&mut tx, f, v2).await? { return Ok(()) },
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+            r = head.changed() => if r.is_err() { return Ok(()) },
+            r = stalled.changed() => if r.is_err() { return Ok(()) },
+            m = rx.next() => match m {
+                None | Some(Err(_) | Ok(Message::Close(_))) => return Ok(()),
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+}
+
+/// A fault on a Jetstream connection: error frames are v2's JSON ones (v1 just closes).
+async fn apply_jet(tx: &mut Tx, f: Fault, v2: bool) -> Result<bool, tokio_tungstenite::tungstenite::Error> {
+    match f {
+        Fault::Error { error, message } => {
+            if v2 {
+                let frame = jetstream::error_frame(&error, &message);
+                tx.send(Message::Text(String::from_utf8_lossy(&frame).into_owned().into())).await?;
+            }
+            let _ = tx.close().await;
+            Ok(true)
+        }
+        other => apply(tx, other).await,
     }
 }
 

@@ -46,7 +46,7 @@ impl Failback {
 impl Subscription {
     pub(super) fn start_probe(&mut self) {
         self.failback.next_at = None;
-        let url = self.primary.subscribe_url(None);
+        let url = self.open_url(RelayRole::Primary, None);
         let cfg = self.cfg.clone();
         self.failback.probe = Some(tokio::spawn(async move { probe(url, &cfg).await }));
     }

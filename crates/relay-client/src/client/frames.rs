@@ -12,10 +12,21 @@ use crate::error::{ConnError, DecodeError, SubscribeError};
 use crate::frame::{self, Frame, Message, peek_seq};
 use crate::item::{Item, Notice, OwnedFrame};
 
+/// A Jetstream event against the cursor.
+enum Placed {
+    /// Not delivered yet.
+    New,
+    /// Delivered already, or behind the cursor: what to return instead.
+    Old(Option<Item>),
+}
+
 impl Subscription {
     /// One WebSocket message: the connection's end, a pong, or a binary frame to decode.
     pub(super) fn on_message(&mut self, msg: Read) -> Result<Option<Item>, SubscribeError> {
         match msg {
+            Read::Binary(bytes) if self.jet.is_some() => self.on_jet_binary(&bytes),
+            Read::Text(text) if self.jet.is_some() => self.on_json(text),
+            Read::Text(text) => self.bad_frame(None, DecodeError::TextMessage { len: text.len() }),
             Read::Binary(bytes) => self.on_binary(bytes),
             // The reader hands binaries over as `Binary`; kept whole for completeness.
             Read::Other(Some(Ok(WsMessage::Binary(b)))) => self.on_binary(Vec::from(b)),
@@ -56,6 +67,77 @@ impl Subscription {
             Ok(decoded) => self.on_frame(decoded),
             Err((error, seq)) => self.bad_frame(seq, error),
         }
+    }
+
+    /// A compressed Jetstream frame: decompressed with the wire's dictionary, then read
+    /// as its JSON.
+    fn on_jet_binary(&mut self, bytes: &[u8]) -> Result<Option<Item>, SubscribeError> {
+        let max = self.cfg.max_frame_bytes;
+        let Some(j) = self.jet.as_mut() else { return Ok(None) };
+        let z = match &mut j.z {
+            Some(z) => z,
+            slot => match crate::jetstream::Decompressor::new(j.opts.version) {
+                Ok(z) => slot.insert(z),
+                Err(e) => return self.bad_jet_frame(None, e),
+            },
+        };
+        match z.decompress(bytes, max) {
+            Ok(text) => self.on_json(text),
+            Err(e) => self.bad_jet_frame(None, e),
+        }
+    }
+
+    /// A Jetstream frame's JSON: decoded once, then placed by its stamp.
+    fn on_json(&mut self, text: Vec<u8>) -> Result<Option<Item>, SubscribeError> {
+        let max = self.cfg.max_frame_bytes;
+        if text.len() > max {
+            return self.bad_jet_frame(None, DecodeError::TooLarge { size: text.len(), max });
+        }
+        let version = self.jet.as_ref().map(|j| j.opts.version).unwrap_or_default();
+        match Yoke::<Frame<'static>, Vec<u8>>::try_attach_to_cart(text, |b| crate::jetstream::decode(version, b)) {
+            Ok(decoded) => self.on_frame(decoded),
+            Err(e) => {
+                let stamp = match &e {
+                    DecodeError::UnknownKind { stamp, .. } => *stamp,
+                    _ => None,
+                };
+                self.bad_jet_frame(stamp, e)
+            }
+        }
+    }
+
+    /// A Jetstream frame that does not decode. With its stamp known it goes through the
+    /// bad-frame policy as a firehose frame with a seq does; without, it may still have
+    /// been an event, so the `fail` policy stops before it too.
+    fn bad_jet_frame(&mut self, stamp: Option<u64>, error: DecodeError) -> Result<Option<Item>, SubscribeError> {
+        if stamp.is_some() || self.cfg.bad_frame == BadFramePolicy::Skip {
+            return self.bad_frame(stamp, error);
+        }
+        self.stats.bad_frames += 1;
+        let relay = self.active;
+        tracing::error!(relay = relay.as_str(), reason = error.reason(), %error, cursor = self.cursor, "undecodable Jetstream frame: stopping before it");
+        self.link = Link::Stopped;
+        Err(SubscribeError::BadJetstreamFrame { relay, after: self.cursor, error })
+    }
+
+    /// Where a Jetstream event stands against the cursor. Stamps repeat (the ops of one
+    /// commit share one), so an event at the cursor's stamp is new unless its content
+    /// was delivered at that stamp.
+    fn place_jet(&mut self, seq: u64, key: u64) -> Placed {
+        let last = self.cursor;
+        let Some(j) = self.jet.as_mut() else { return Placed::New };
+        match last {
+            Some(l) if seq < l => return Placed::Old(self.not_after(l, seq)),
+            Some(l) if seq == l => {
+                if j.boundary.contains(&key) {
+                    self.stats.duplicates += 1;
+                    return Placed::Old(None);
+                }
+            }
+            _ => j.boundary.clear(),
+        }
+        j.boundary.push(key);
+        Placed::New
     }
 
     /// A data frame proves the connection alive; one that has lasted `healthy_after`
@@ -103,8 +185,37 @@ impl Subscription {
         let relay = self.active;
         let (seq, known) = match decoded.get() {
             Frame::Error(e) => return self.on_error_frame(e.error, e.message),
+            Frame::Message(Message::Jet(e)) => {
+                let (seq, key) = (e.stamp, e.content_key());
+                if let Placed::Old(instead) = self.place_jet(seq, key) {
+                    return Ok(instead);
+                }
+                self.cursor = Some(seq);
+                self.stats.frames += 1;
+                let Some(frame) = OwnedFrame::from_frame(decoded, seq, relay) else { return Ok(None) };
+                let clamp = self.jet.as_mut().and_then(|j| j.clamp_from.take());
+                if let Some(c) = clamp.filter(|&c| seq > c.saturating_add(crate::jetstream::CLAMP_SLACK_US))
+                    && let Some(j) = self.jet.as_mut()
+                {
+                    j.held = Some((frame, c));
+                    return Ok(None);
+                }
+                return Ok(Some(Item::Frame(frame)));
+            }
             Frame::Message(Message::Info(i)) => {
                 let message = i.message.map(str::to_owned);
+                let asked_time = self.cursor.is_some_and(|c| c >= crate::jetstream::TIME_CURSOR_MIN);
+                if i.name == "OutdatedCursor" && self.jet.is_some() && self.cfg.refuse_gaps && asked_time {
+                    let cursor = self.cursor.unwrap_or_default();
+                    tracing::error!(
+                        relay = relay.as_str(),
+                        cursor,
+                        message = message.as_deref(),
+                        "the Jetstream instance no longer serves the cursor"
+                    );
+                    self.link = Link::Stopped;
+                    return Err(SubscribeError::Gap { relay, cursor, oldest: None });
+                }
                 let notice = if i.name == "OutdatedCursor" {
                     tracing::warn!(
                         relay = relay.as_str(),

@@ -118,6 +118,25 @@ pub struct Subscription {
     /// The next connection reads with a raised frame limit, to learn the seq of an
     /// oversized frame that [`BadFramePolicy::Skip`] must step over.
     oversize_probe: bool,
+    /// Jetstream's state, when that is the input.
+    jet: Option<Jet>,
+}
+
+/// What a Jetstream subscription keeps besides the cursor (its stamp).
+#[derive(Debug)]
+struct Jet {
+    opts: crate::jetstream::Options,
+    /// zstd frames' decompressor, made on the first compressed frame.
+    z: Option<crate::jetstream::Decompressor>,
+    /// The content keys of the events delivered at the cursor's stamp: a reconnect from
+    /// that stamp drops these and delivers the rest of the stamp's events.
+    boundary: Vec<u64>,
+    /// A v1 connection opened from this time cursor: its first event is checked for the
+    /// silent clamp.
+    clamp_from: Option<u64>,
+    /// The first event and the cursor asked for, held while the clamp check asks for
+    /// the oldest stamp.
+    held: Option<(OwnedFrame, u64)>,
 }
 
 impl fmt::Debug for Subscription {
@@ -140,6 +159,7 @@ impl Subscription {
     #[must_use]
     pub fn new(cfg: ClientConfig, primary: RelayUrl, secondary: Option<RelayUrl>) -> Self {
         let backoff = Backoff::new(cfg.backoff);
+        let cfg_input = cfg.input.clone();
         Self {
             cfg,
             primary,
@@ -153,6 +173,12 @@ impl Subscription {
             failback: Failback::default(),
             stats: Stats::default(),
             oversize_probe: false,
+            jet: match &cfg_input {
+                crate::config::Input::Firehose => None,
+                crate::config::Input::Jetstream(opts) => {
+                    Some(Jet { opts: opts.clone(), z: None, boundary: Vec::new(), clamp_from: None, held: None })
+                }
+            },
         }
     }
 
@@ -165,6 +191,10 @@ impl Subscription {
         }
         self.active = relay;
         self.cursor = cursor;
+        if let Some(j) = &mut self.jet {
+            j.boundary.clear();
+            j.held = None;
+        }
         self.link = Link::Down { retry_at: None };
         self.failback.abort();
         self.failback.schedule(relay, self.cfg.probe_interval);
@@ -225,6 +255,11 @@ impl Subscription {
             if let Some(item) = self.queue.pop_front() {
                 return Ok(item);
             }
+            if self.jet.as_ref().is_some_and(|j| j.held.is_some()) {
+                // Boxed: rare, and its connection would otherwise weigh on every `next`.
+                Box::pin(self.check_clamp()).await?;
+                continue;
+            }
             match self.link {
                 Link::Stopped => return Err(SubscribeError::Closed),
                 Link::Down { retry_at } => self.connect(retry_at).await,
@@ -242,7 +277,7 @@ impl Subscription {
             sleep_until(at).await;
         }
         let relay = self.active;
-        let url = self.url(relay).unwrap_or(&self.primary).subscribe_url(self.cursor);
+        let url = self.open_url(relay, self.cursor);
         let cfg = ws_config(self.read_limit());
         let span = tracing::info_span!("relay_connect", relay = relay.as_str(), cursor = self.cursor);
         let attempt = tracing::Instrument::instrument(
@@ -256,12 +291,59 @@ impl Subscription {
         match attempt {
             Ok(Ok((ws, _resp))) => {
                 self.link = Link::Up(Box::new(Conn::new(ws, Instant::now(), self.cfg.ping_interval)));
+                if let Some(j) = &mut self.jet {
+                    let time_cursor = self.cursor.filter(|&c| c >= crate::jetstream::TIME_CURSOR_MIN);
+                    j.clamp_from = time_cursor.filter(|_| j.opts.version == crate::jetstream::Version::V1);
+                }
                 tracing::info!(relay = relay.as_str(), cursor = self.cursor, "connected to relay");
                 self.queue.push_back(Item::Notice(Notice::Connected { relay, cursor: self.cursor }));
             }
             Ok(Err(e)) => self.fail(ConnError::Connect(describe(&e))),
             Err(_) => self.fail(ConnError::ConnectTimeout(self.cfg.connect_timeout)),
         }
+    }
+
+    /// The URL to open on `relay` from `cursor`: the firehose's or the Jetstream
+    /// instance's, with its filters. Never logged (it may carry credentials).
+    pub(crate) fn open_url(&self, relay: RelayRole, cursor: Option<u64>) -> url::Url {
+        let base = self.url(relay).unwrap_or(&self.primary);
+        match &self.jet {
+            Some(j) => j.opts.url(base, cursor),
+            None => base.subscribe_url(cursor),
+        }
+    }
+
+    /// The first event of a v1 connection opened from a time cursor came well after it:
+    /// either nothing happened in between, or the instance no longer holds the cursor
+    /// and silently started at its oldest event. Its oldest event tells: the same event
+    /// means the clamp (a gap), an older one a quiet stretch.
+    async fn check_clamp(&mut self) -> Result<(), SubscribeError> {
+        let Some(j) = self.jet.as_mut() else { return Ok(()) };
+        let Some((held, cursor)) = j.held.take() else { return Ok(()) };
+        let relay = self.active;
+        let base = self.url(relay).unwrap_or(&self.primary).clone();
+        let opts = self.jet.as_ref().map(|j| j.opts.clone()).unwrap_or_default();
+        let oldest = crate::jetstream::oldest_stamp(&base, &opts, self.cfg.connect_timeout).await;
+        if let Some(o) = oldest
+            && o >= held.seq
+        {
+            tracing::error!(
+                relay = relay.as_str(),
+                cursor,
+                oldest = o,
+                "the Jetstream instance no longer serves the cursor: it started at its oldest event"
+            );
+            if self.cfg.refuse_gaps {
+                self.link = Link::Stopped;
+                return Err(SubscribeError::Gap { relay, cursor, oldest: Some(o) });
+            }
+            self.queue.push_back(Item::Notice(Notice::OutdatedCursor {
+                relay,
+                message: Some(format!("v1 started at its oldest event ({o}) instead of cursor {cursor}")),
+            }));
+        }
+        self.queue.push_back(Item::Frame(held));
+        Ok(())
     }
 
     /// The socket's frame limit: the configured one, or the raised one while stepping
@@ -378,7 +460,7 @@ impl Subscription {
     /// message now, the rest on the next calls.
     fn on_batch(&mut self, batch: Vec<Read>) -> Result<Option<Item>, SubscribeError> {
         let Link::Up(conn) = &mut self.link else { return Ok(None) };
-        let data = batch.iter().any(|r| matches!(r, Read::Binary(_)));
+        let data = batch.iter().any(|r| matches!(r, Read::Binary(_) | Read::Text(_)));
         let mut batch = batch.into_iter();
         let first = batch.next();
         conn.ready = batch;

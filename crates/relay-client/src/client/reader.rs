@@ -27,6 +27,8 @@ pub(super) const QUEUED: usize = 2;
 pub(super) enum Read {
     /// A binary message, copied out of the socket's buffer.
     Binary(Vec<u8>),
+    /// A text message (Jetstream's JSON), copied out of the socket's buffer.
+    Text(Vec<u8>),
     /// Anything else; `None` when the stream ended. The reader stops after an error or
     /// the end.
     Other(Option<Result<WsMessage, tungstenite::Error>>),
@@ -36,6 +38,7 @@ impl Read {
     fn new(msg: Option<Result<WsMessage, tungstenite::Error>>) -> Self {
         match msg {
             Some(Ok(WsMessage::Binary(b))) => Self::Binary(Vec::from(b)),
+            Some(Ok(WsMessage::Text(t))) => Self::Text(Vec::from(bytes::Bytes::from(t))),
             other => Self::Other(other),
         }
     }
@@ -47,7 +50,7 @@ impl Read {
 
     fn len(&self) -> usize {
         match self {
-            Self::Binary(b) => b.len(),
+            Self::Binary(b) | Self::Text(b) => b.len(),
             Self::Other(_) => 0,
         }
     }
