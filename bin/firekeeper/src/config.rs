@@ -14,7 +14,7 @@ use nats_op::NatsConfig;
 use relay_client::{ClientConfig, RelayUrl};
 use sinks::JetStreamConfig;
 
-use crate::settings::{ChainMode, LogFormat, Raw, SinkName};
+use crate::settings::{ChainMode, InputKind, LogFormat, Raw, SinkName};
 pub use crate::settings::{LeaseKind, StoreKind};
 
 /// Where events go.
@@ -379,6 +379,62 @@ fn check_pairing(r: &Raw, store: StoreKind, sink: &SinkKind, lease: LeaseKind, e
     }
 }
 
+/// The Jetstream instances Bluesky runs (the default with Jetstream input).
+const JETSTREAM_DEFAULT: &str = "wss://jetstream2.us-east.bsky.network";
+
+/// With `FIREKEEPER_INPUT=jetstream`: the client reads Jetstream with the server-side
+/// filters; verification is refused (nothing in Jetstream is signed), repo sync's
+/// backfill too (its snapshots are firehose-shaped).
+fn jetstream_input(
+    r: &Raw,
+    options: &mut consumer::Options,
+    client: &mut relay_client::ClientConfig,
+    relay: &mut Option<relay_client::RelayUrl>,
+    errors: &mut Vec<String>,
+) {
+    if r.input != InputKind::Jetstream {
+        if !r.jet.dids.is_empty() {
+            errors.push(
+                "FIREKEEPER_JETSTREAM_DIDS needs FIREKEEPER_INPUT=jetstream (the firehose has no DID filter)".into(),
+            );
+        }
+        return;
+    }
+    if r.verify_set && options.verify.mode != consumer::VerifyMode::Off {
+        errors.push(
+            "FIREKEEPER_VERIFY must be `off` with FIREKEEPER_INPUT=jetstream: Jetstream carries no signatures, \
+             commit blocks or MST proofs (it re-encodes records as JSON), so nothing in it can be verified; read \
+             the firehose (FIREKEEPER_INPUT=firehose) to verify"
+                .into(),
+        );
+    }
+    options.verify.mode = consumer::VerifyMode::Off;
+    if !matches!(r.backfill, None | Some(crate::settings::BackfillMode::Off)) || !options.resync.backfill.is_empty() {
+        errors.push("FIREKEEPER_BACKFILL is not available with FIREKEEPER_INPUT=jetstream".into());
+    }
+    let collections: Vec<String> = options.collections.as_ref().map(|c| c.entries().to_vec()).unwrap_or_default();
+    if collections.len() > relay_client::jetstream::MAX_COLLECTIONS {
+        errors.push(format!(
+            "FIREKEEPER_COLLECTIONS lists {} collections; Jetstream takes at most {}",
+            collections.len(),
+            relay_client::jetstream::MAX_COLLECTIONS
+        ));
+    }
+    if r.jet.dids.len() > relay_client::jetstream::MAX_DIDS {
+        errors.push(format!(
+            "FIREKEEPER_JETSTREAM_DIDS lists {} DIDs; Jetstream takes at most {}",
+            r.jet.dids.len(),
+            relay_client::jetstream::MAX_DIDS
+        ));
+    }
+    // The firehose's default relay is no Jetstream instance: the input's own default.
+    if *relay == Raw::default().relay {
+        *relay = relay_client::RelayUrl::parse(JETSTREAM_DEFAULT).ok();
+    }
+    client.input = relay_client::Input::Jetstream(relay_client::jetstream::Options { collections, ..r.jet.clone() });
+    client.refuse_gaps = options.gap == consumer::GapPolicy::Fail;
+}
+
 impl TryFrom<Raw> for Config {
     type Error = Vec<String>;
 
@@ -403,7 +459,10 @@ impl TryFrom<Raw> for Config {
             ChainMode::Emit => options.chain_breaks = ChainBreaks::Emit,
             ChainMode::Off => options.chain_repos = 0,
         }
-        let Some(relay) = r.relay.filter(|_| errors.is_empty()) else { return Err(errors) };
+        let mut client = r.client.clone();
+        let mut relay = r.relay.clone();
+        jetstream_input(&r, &mut options, &mut client, &mut relay, &mut errors);
+        let Some(relay) = relay.filter(|_| errors.is_empty()) else { return Err(errors) };
         Ok(Self {
             relay,
             relay_secondary: r.relay_secondary,
@@ -419,7 +478,7 @@ impl TryFrom<Raw> for Config {
             legacy_cursor_prefix: r.legacy_cursor_prefix,
             http_addr: r.http_addr,
             admin_token: r.admin_token.filter(|t| !t.is_empty()).map(crate::http::AdminToken),
-            client: r.client,
+            client,
             options,
             instance_id: r.instance_id,
             log_json: r.log == LogFormat::Json,
@@ -451,8 +510,14 @@ impl Config {
             SinkKind::Nats(js) => format!("nats:{}:{}", js.stream, js.subject_prefix),
             SinkKind::Null => "null".into(),
         };
+        let input = match &self.client.input {
+            relay_client::Input::Firehose => "firehose".to_owned(),
+            relay_client::Input::Jetstream(js) => {
+                format!("jetstream:{}:{}", js.version.as_str(), fp(&js.dids.join(",")))
+            }
+        };
         consumer::Deployment::default()
-            .with("input", "firehose")
+            .with("input", input)
             .with("sink", sink)
             .with("key_prefix", self.lease.key_prefix.clone())
     }

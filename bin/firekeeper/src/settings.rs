@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use consumer::{ChainBreaks, CollectionFilter, GapPolicy, InvalidPolicy, Options, Start, VerifyMode};
 use lease::LeaseConfig;
+use relay_client::jetstream::Version as JetVersion;
 use relay_client::{BadFramePolicy, ClientConfig, FutureCursorPolicy, RelayUrl};
 use sinks::JetStreamConfig;
 
@@ -79,6 +80,15 @@ pub enum BackfillMode {
     All,
 }
 
+/// What the leader reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputKind {
+    /// A relay's `com.atproto.sync.subscribeRepos` (CBOR, signed).
+    Firehose,
+    /// A Jetstream instance (JSON, server-side filters, no signatures).
+    Jetstream,
+}
+
 /// The log format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -115,6 +125,8 @@ words!(bool: "true" => true, "false" => false, "1" => true, "0" => false, "yes" 
 words!(InvalidPolicy: "mark" => InvalidPolicy::Mark, "fail" => InvalidPolicy::Fail);
 words!(BadFramePolicy: "fail" => BadFramePolicy::Fail, "skip" => BadFramePolicy::Skip);
 words!(LogFormat: "json" => LogFormat::Json, "text" => LogFormat::Text);
+words!(InputKind: "firehose" => InputKind::Firehose, "jetstream" => InputKind::Jetstream);
+words!(JetVersion: "v1" => JetVersion::V1, "v2" => JetVersion::V2);
 words!(BackfillMode: "off" => BackfillMode::Off, "dids" => BackfillMode::Dids, "collections" => BackfillMode::Collections, "all" => BackfillMode::All);
 
 /// The words of `T`, for the README and error messages.
@@ -206,6 +218,11 @@ pub struct Raw {
     pub log: LogFormat,
     pub allow_settings_change: bool,
     pub postgres_records: bool,
+    pub input: InputKind,
+    /// Jetstream's wire, DIDs and compression (the collections come from the filter).
+    pub jet: relay_client::jetstream::Options,
+    /// `FIREKEEPER_VERIFY` was set (Jetstream input refuses it unless `off`).
+    pub verify_set: bool,
 }
 
 impl Default for Raw {
@@ -250,6 +267,9 @@ impl Default for Raw {
             log: LogFormat::Json,
             allow_settings_change: false,
             postgres_records: false,
+            input: InputKind::Firehose,
+            jet: relay_client::jetstream::Options { compress: true, ..Default::default() },
+            verify_set: false,
         }
     }
 }
@@ -392,7 +412,11 @@ fn relay(v: &str) -> Result<Option<RelayUrl>, String> {
 /// Every setting firekeeper reads, one per line: variable, where it goes, default, help.
 #[rustfmt::skip]
 pub const SETTINGS: &[Setting] = &[
-    setting!("FIREKEEPER_RELAY", Kind::Url, |r, v| r.relay = relay(v)?, |_d| "wss://bsky.network".into(), "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added; a query string or fragment is refused: the cursor is the only parameter). Its fingerprint (scheme, lower-case host, port, path) keys its cursor: `localhost` and `127.0.0.1` are different relays"),
+    choice!("FIREKEEPER_INPUT", InputKind, input, "what the leader reads: `firehose` (a relay's `com.atproto.sync.subscribeRepos`: CBOR, signed, verified) or `jetstream` (a Jetstream instance: JSON, one event per record op, filtered by the server with `FIREKEEPER_COLLECTIONS` and `FIREKEEPER_JETSTREAM_DIDS`, zstd; no signatures, so `FIREKEEPER_VERIFY` must be `off`). `FIREKEEPER_RELAY` and `FIREKEEPER_RELAY_SECONDARY` then name Jetstream instances; the cursor is the instance's `time_us` stamp, and a switch between instances resumes `FIREKEEPER_SWITCH_OVERLAP_MS` earlier in time and drops what was handed over already"),
+    choice!("FIREKEEPER_JETSTREAM_VERSION", JetVersion, jet.version, "with Jetstream input: `v1` (`/subscribe`, every public instance) or `v2` (`/xrpc/network.bsky.jetstream.subscribeEvents`: also `#sync` events, error frames)"),
+    setting!("FIREKEEPER_JETSTREAM_DIDS", Kind::Text, |r, v| r.jet.dids = backfill_dids(v)?, shown "all", "with Jetstream input: the repos the server sends events of (at most 10,000): DIDs separated by commas or whitespace, or `@<path>` of a file of them"),
+    choice!("FIREKEEPER_JETSTREAM_COMPRESS", bool, jet.compress, "with Jetstream input: ask for zstd frames compressed with Jetstream's published dictionary (shipped with firekeeper), about a third of the bytes"),
+    setting!("FIREKEEPER_RELAY", Kind::Url, |r, v| r.relay = relay(v)?, shown "`wss://bsky.network`; with Jetstream input `wss://jetstream2.us-east.bsky.network`", "primary relay (`ws://` or `wss://`; the path `/xrpc/com.atproto.sync.subscribeRepos` is added; a query string or fragment is refused: the cursor is the only parameter). Its fingerprint (scheme, lower-case host, port, path) keys its cursor: `localhost` and `127.0.0.1` are different relays"),
     setting!("FIREKEEPER_RELAY_SECONDARY", Kind::Url, |r, v| r.relay_secondary = relay(v)?, shown "none", "secondary relay; used after repeated primary failures, with failback probing"),
     text!("REDIS_URL", Kind::External, redis_url, "none", "enables the Redis lease and (by default) the Redis cursor store; `rediss://` connects over TLS, verified against the system's roots or `FIREKEEPER_REDIS_CA_FILE`"),
     text!("FIREKEEPER_REDIS_CA_FILE", Kind::Text, redis_ca_file, "the system's roots", "PEM file of the CA certificates a `rediss://` Redis is verified against instead of the system's roots (a private CA, a managed service's own CA)"),
@@ -444,7 +468,7 @@ pub const SETTINGS: &[Setting] = &[
     millis!("FIREKEEPER_SWITCH_SKEW_MS", options.switch_skew, "how far PDS clocks are trusted on a switch: event times ahead of this process's clock by more are clamped, and a relay whose oldest events are older than the committed position less this has no gap (a shorter overlap, counted in `firekeeper_switch_overlap_short_total`)"),
     choice!("FIREKEEPER_CHAIN_BREAKS", ChainMode, chain, "per-repo chain check (sync 1.1): a `#commit` whose `since` is not the last rev seen for its repo means the relay skipped a commit of it; `count` (log it, `firekeeper_repo_chain_breaks_total`), `emit` (also hand the sink a `#chain-break` event naming the repo and the revs, just before that commit, so downstream can resync the repo) or `off`"),
     count!("FIREKEEPER_CHAIN_REPOS", 100_000_000, options.chain_repos, "how many recently seen repos the chain check remembers (about 36 bytes each: 34 MiB resident for the default, measured by `make bench`)"),
-    choice!("FIREKEEPER_VERIFY", VerifyMode, options.verify.mode, "verify every `#commit` and `#sync` against its repo's key before the sink sees it: `signatures` (the signed commit: CAR root, commit CID, repo, version, low-S ECDSA), `full` (also every block's CID, every op's record, the MST inversion back to `prevData` and the repo's chain; recommended unless you trust the relay) or `off`"),
+    setting!("FIREKEEPER_VERIFY", Kind::Choice, |r, v| { r.options.verify.mode = choose(v)?; r.verify_set = true; }, |d| word(d.options.verify.mode), "verify every `#commit` and `#sync` against its repo's key before the sink sees it: `signatures` (the signed commit: CAR root, commit CID, repo, version, low-S ECDSA), `full` (also every block's CID, every op's record, the MST inversion back to `prevData` and the repo's chain; recommended unless you trust the relay) or `off`"),
     choice!("FIREKEEPER_VERIFY_STRICT", bool, options.verify.strict, "with `FIREKEEPER_VERIFY=full`: a commit whose MST inversion cannot complete (a block missing, no `prevData`) is `#invalid` (`mst`) instead of counted in `firekeeper_verify_unproven_total` and delivered"),
     choice!("FIREKEEPER_INVALID", InvalidPolicy, options.verify.invalid, "what an event that fails verification does: `mark` (the sink gets a `#invalid` event at its seq instead, the cursor passes it, the repo is listed as desynchronised) or `fail` (commit everything before it and stop with an error naming it)"),
     setting!("FIREKEEPER_PLC_URL", Kind::Endpoint, |r, v| r.options.verify.resolver.plc_url = v.into(), |d| d.options.verify.resolver.plc_url.clone(), "the PLC directory `did:plc` documents are resolved from (`GET <url>/<did>`; `did:web` documents come from `https://<host>/.well-known/did.json`)"),

@@ -41,6 +41,9 @@ pub enum Fatal {
     /// A frame could not be decoded or is over the size limit (bad-frame policy `fail`).
     #[error(transparent)]
     BadFrame(SubscribeError),
+    /// The Jetstream instance no longer serves the cursor and the gap policy refuses.
+    #[error(transparent)]
+    Gap(SubscribeError),
     /// The subscription ended although nobody closed it.
     #[error("relay subscription closed unexpectedly")]
     Closed,

@@ -414,7 +414,11 @@ impl CollectionFilter {
     /// True when the filter drops the whole message: a commit with ops, none wanted.
     #[must_use]
     pub fn drops(&self, m: &Message<'_>) -> bool {
-        matches!(m, Message::Commit(c) if !c.ops.is_empty() && !c.ops.iter().any(|op| self.wants(op.collection())))
+        match m {
+            Message::Commit(c) => !c.ops.is_empty() && !c.ops.iter().any(|op| self.wants(op.collection())),
+            Message::Jet(j) => j.commit.is_some_and(|op| !self.wants(op.collection)),
+            _ => false,
+        }
     }
 
     /// The entries.

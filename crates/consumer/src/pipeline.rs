@@ -271,6 +271,8 @@ pub(crate) struct Shape {
     pub(crate) resyncer: Option<Arc<crate::resync::Resyncer>>,
     /// What an event the sink refuses for its content does (the bad-frame policy).
     pub(crate) unstorable: BadFramePolicy,
+    /// Positions repeat (Jetstream input: the ops of one commit share a stamp).
+    pub(crate) ties: bool,
 }
 
 impl Shape {
@@ -342,7 +344,11 @@ impl Pipeline {
             snapshots,
             tasks,
             done,
-            watermark: Watermark::new(start, capacity),
+            watermark: if shape.ties {
+                Watermark::new(start, capacity).with_ties()
+            } else {
+                Watermark::new(start, capacity)
+            },
             ctx,
             committed: start,
             times: Times::default(),

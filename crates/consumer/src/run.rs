@@ -112,6 +112,7 @@ impl Consumer {
             status: status.clone(),
             store: store.clone(),
             unstorable: settings.client.bad_frame,
+            ties: matches!(settings.client.input, relay_client::Input::Jetstream(_)),
         };
         let cx = Ctx {
             settings: &settings,

@@ -229,6 +229,7 @@ impl JetStream {
                 .map(atproto_data::frame::RepoOp::collection)
                 .filter(|c| subject_safe(c))
                 .unwrap_or("commit"),
+            Message::Jet(j) => j.commit.map(|op| op.collection).filter(|c| subject_safe(c)).unwrap_or("commit"),
             m => m.kind().as_str().trim_start_matches('#'),
         };
         format!("{base}{tail}")

@@ -49,7 +49,8 @@ pub enum OpenError {
 }
 
 /// What names an event whatever its seq: a `#commit`/`#sync` by repo and rev, an
-/// `#identity`/`#account` by DID and time, anything else by its frame. Stable across
+/// `#identity`/`#account` by DID and time, a Jetstream event by its content (one op of a
+/// commit by repo, rev, collection, record key and action), anything else by its frame. Stable across
 /// versions and processes (a replay by another leader must get the same key).
 #[must_use]
 pub fn event_key(e: &Event) -> u64 {
@@ -59,6 +60,8 @@ pub fn event_key(e: &Event) -> u64 {
         Message::Sync(s) => (s.did, s.rev),
         Message::Identity(i) => (i.did, i.time),
         Message::Account(a) => (a.did, a.time),
+        // A Jetstream event by what it is (one op of a commit, or the upstream event).
+        Message::Jet(j) => return j.content_key(),
         _ => return fnv1a(FNV_OFFSET, e.bytes()),
     };
     fnv1a(fnv1a(fnv1a(FNV_OFFSET, a.as_bytes()), &[0]), b.as_bytes())

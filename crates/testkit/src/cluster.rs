@@ -339,7 +339,7 @@ fn fixture_keys() -> std::collections::BTreeSet<String> {
                 Message::Sync(x) => format!("#sync {} {}", x.did, x.rev),
                 Message::Identity(x) => format!("#identity {} {}", x.did, x.time),
                 Message::Account(x) => format!("#account {} {}", x.did, x.time),
-                Message::Info(_) | Message::Unknown { .. } => return None,
+                Message::Info(_) | Message::Unknown { .. } | Message::Jet(_) => return None,
             }),
             relay_client::Frame::Error(_) => None,
         })

@@ -106,6 +106,9 @@ pub(crate) enum Key<'a> {
     Sync { did: &'a str, rev: &'a str },
     /// `#identity` / `#account`: the same `(did, time)` once per kind.
     Once { kind: Kind, did: &'a str, time: &'a str },
+    /// A Jetstream event named by its content: one op of a commit (its ops share the
+    /// commit's rev, so the rev alone cannot tell a delivered op from the next).
+    Content { did: &'a str, key: u64 },
     /// Nothing to remember (`#info`, unknown types).
     Other,
 }
@@ -118,6 +121,11 @@ impl<'a> Key<'a> {
             Message::Sync(s) => Self::Sync { did: s.did, rev: s.rev },
             Message::Identity(i) => Self::Once { kind: Kind::Identity, did: i.did, time: i.time },
             Message::Account(a) => Self::Once { kind: Kind::Account, did: a.did, time: a.time },
+            Message::Jet(j) => match (j.kind, j.rev, j.upstream_time) {
+                (Kind::Sync, Some(rev), _) => Self::Sync { did: j.did, rev },
+                (kind @ (Kind::Identity | Kind::Account), _, Some(time)) => Self::Once { kind, did: j.did, time },
+                _ => Self::Content { did: j.did, key: j.content_key() },
+            },
             Message::Info(_) | Message::Unknown { .. } => Self::Other,
         }
     }
@@ -215,6 +223,11 @@ impl Memory {
                 self.shard(lane).once.put(key, ());
                 None
             }
+            Key::Content { did, key } => {
+                let key = self.keys.hash_one((did, key));
+                self.shard(lane).once.put(key, ());
+                None
+            }
             Key::Other => None,
         }
     }
@@ -246,6 +259,10 @@ impl Memory {
             }
             Key::Once { kind, did, time } => {
                 let key = self.once_key(kind, did, time);
+                if self.shard(lane).once.peek(key).is_some() { Judged::Recorded } else { Judged::Unknown }
+            }
+            Key::Content { did, key } => {
+                let key = self.keys.hash_one((did, key));
                 if self.shard(lane).once.peek(key).is_some() { Judged::Recorded } else { Judged::Unknown }
             }
             Key::Other => Judged::Delivered,

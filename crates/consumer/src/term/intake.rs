@@ -73,9 +73,12 @@ impl Leader<'_, '_> {
             }
             Ok(Item::SwitchRelay { from, to, reason }) => self.on_switch(from, to, reason).await,
             Err(e @ SubscribeError::FutureCursor { .. }) => Err(self.fatal(Fatal::FutureCursor(e)).await),
-            Err(e @ (SubscribeError::BadFrame { .. } | SubscribeError::FrameTooLarge { .. })) => {
-                Err(self.fatal(Fatal::BadFrame(e)).await)
-            }
+            Err(e @ SubscribeError::Gap { .. }) => Err(self.fatal(Fatal::Gap(e)).await),
+            Err(
+                e @ (SubscribeError::BadFrame { .. }
+                | SubscribeError::FrameTooLarge { .. }
+                | SubscribeError::BadJetstreamFrame { .. }),
+            ) => Err(self.fatal(Fatal::BadFrame(e)).await),
             Err(SubscribeError::Closed) => Err(self.fatal(Fatal::Closed).await),
         }
     }
@@ -160,7 +163,13 @@ impl Leader<'_, '_> {
     /// lasts and the memory proves `m` was handed over already.
     fn is_handed_over(&mut self, seq: u64, lane: usize, m: &Message<'_>) -> bool {
         let dedupes = self.cx.settings.secondary.is_some();
-        let time = if dedupes || seq.is_multiple_of(64) { m.time().and_then(time_ms) } else { None };
+        // A Jetstream stamp is the instance's own clock and names the position exactly.
+        let stamp_ms = m.stamp().map(|us| i64::try_from(us / 1000).unwrap_or(i64::MAX / 4));
+        let time = if dedupes || seq.is_multiple_of(64) || stamp_ms.is_some() {
+            stamp_ms.or_else(|| m.time().and_then(time_ms))
+        } else {
+            None
+        };
         // A PDS clock ahead of this one's (plus the allowance) is not believed.
         let time = time.map(|t| t.min(now_ms().saturating_add(self.cx.skew_ms())));
         if let Some(t) = time {

@@ -175,6 +175,9 @@ impl Leader<'_, '_> {
             tracing::info!(relay = to.as_str(), cursor = c, "switch: the stored cursor is inside the overlap");
             return Ok(Ok(Some(c)));
         }
+        if let relay_client::Input::Jetstream(js) = &cx.settings.client.input {
+            return self.jetstream_start(to, js, at, target).await;
+        }
         let wait = cx.settings.client.connect_timeout;
         let memory = self.memory.clone();
         let lanes = self.p.lane_count();
@@ -225,6 +228,65 @@ impl Leader<'_, '_> {
                 Ok(Ok(Some(cursor)))
             }
             Start::Failed(source) => Ok(Err(Refusal::Probe { to, source })),
+        }
+    }
+
+    /// Where to resume on another Jetstream instance: its stamps differ from the one
+    /// left by a few seconds at most, so it starts from the position less the overlap in
+    /// time (no search: the instance places a time cursor itself), and the term's memory
+    /// drops what was handed over already while the overlap lasts. An instance whose
+    /// window does not reach back that far is a gap, refused or accepted by the policy.
+    async fn jetstream_start(
+        &mut self,
+        to: RelayRole,
+        js: &relay_client::jetstream::Options,
+        at: i64,
+        target_ms: i64,
+    ) -> Result<Result<Option<u64>, Refusal>, Stop> {
+        let cx = self.cx;
+        let from_us = u64::try_from(target_ms.max(0)).unwrap_or(0).saturating_mul(1000);
+        let wait = cx.settings.client.connect_timeout;
+        // Boxed: the connection's state would otherwise sit in every enclosing future.
+        let ask = Box::pin(relay_client::jetstream::serves_from(cx.url(to), js, from_us, wait));
+        match guarded(cx, &self.term, ask).await? {
+            Ok(None) => {
+                tracing::info!(
+                    relay = to.as_str(),
+                    cursor = from_us,
+                    "switch: resuming on the Jetstream instance by time"
+                );
+                Ok(Ok(Some(from_us)))
+            }
+            Ok(Some(oldest)) if cx.settings.options.gap == GapPolicy::Live => {
+                let oldest_ms = i64::try_from(oldest / 1000).unwrap_or(i64::MAX);
+                let gap = format!(
+                    "{} instance: events from {} to {} are missing",
+                    to.as_str(),
+                    rfc3339(at),
+                    rfc3339(oldest_ms)
+                );
+                tracing::error!(
+                    relay = to.as_str(),
+                    cursor = from_us,
+                    oldest,
+                    "accepted gap (gap policy `live`) on a Jetstream switch"
+                );
+                metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
+                cx.status.update(|s| s.last_gap = Some(gap));
+                self.gap_accepted("switch");
+                Ok(Ok(Some(from_us)))
+            }
+            Ok(Some(oldest)) => Ok(Err(Refusal::Gap {
+                to,
+                needed: rfc3339(target_ms),
+                oldest: if oldest == 0 {
+                    "after it (the instance said OutdatedCursor)".to_owned()
+                } else {
+                    rfc3339(i64::try_from(oldest / 1000).unwrap_or(i64::MAX))
+                },
+                oldest_seq: oldest,
+            })),
+            Err(reason) => Ok(Err(Refusal::Probe { to, source: ProbeError::Failed { cursor: from_us, reason } })),
         }
     }
 
