@@ -169,26 +169,9 @@ pub fn decode(version: Version, text: &[u8]) -> Result<Frame<'_>, DecodeError> {
     atproto_data::jetstream::decode(version, text)
 }
 
-/// The stamp of the oldest event `base` serves under `opts`' filters: a connection
-/// from cursor 1, which every v1 instance clamps to its oldest event. `None` when
-/// nothing arrived within `wait`.
-pub async fn oldest_stamp(base: &RelayUrl, opts: &Options, wait: Duration) -> Option<u64> {
-    match first(&opts.url(base, Some(1)), opts, wait).await {
-        Ok(Some(First::Event(s))) => Some(s),
-        _ => None,
-    }
-}
-
-/// The first frame's meaning on a connection opened from a cursor.
-enum First {
-    /// An event with this stamp.
-    Event(u64),
-    /// `#info OutdatedCursor` (v2's clamp).
-    Outdated,
-}
-
-/// Reads the first event (or v2's `OutdatedCursor`) of a connection to `url`.
-async fn first(url: &Url, opts: &Options, wait: Duration) -> Result<Option<First>, String> {
+/// What a connection opened from a cursor starts with: whether v2 said
+/// `OutdatedCursor`, and the first event's stamp (`None`: nothing within the wait).
+async fn first(url: &Url, opts: &Options, wait: Duration) -> Result<(bool, Option<u64>), String> {
     let connect = timeout(wait, tokio_tungstenite::connect_async(url.as_str())).await;
     let (mut ws, _) = match connect {
         Ok(Ok(ok)) => ok,
@@ -196,6 +179,7 @@ async fn first(url: &Url, opts: &Options, wait: Duration) -> Result<Option<First
         Err(_) => return Err(format!("connect timed out after {wait:?}")),
     };
     let mut z = if opts.compress { Decompressor::new(opts.version).ok() } else { None };
+    let mut outdated = false;
     let read = async {
         while let Some(Ok(msg)) = ws.next().await {
             let text = match msg {
@@ -208,8 +192,8 @@ async fn first(url: &Url, opts: &Options, wait: Duration) -> Result<Option<First
                 _ => continue,
             };
             match decode(opts.version, &text) {
-                Ok(Frame::Message(Message::Jet(e))) => return Some(First::Event(e.stamp)),
-                Ok(Frame::Message(Message::Info(i))) if i.name == "OutdatedCursor" => return Some(First::Outdated),
+                Ok(Frame::Message(Message::Jet(e))) => return Some(e.stamp),
+                Ok(Frame::Message(Message::Info(i))) if i.name == "OutdatedCursor" => outdated = true,
                 _ => {}
             }
         }
@@ -217,19 +201,27 @@ async fn first(url: &Url, opts: &Options, wait: Duration) -> Result<Option<First
     };
     let got = timeout(wait, read).await.ok().flatten();
     let _ = timeout(Duration::from_secs(1), ws.close(None)).await;
-    Ok(got)
+    Ok((outdated, got))
+}
+
+/// The stamp of the oldest event `base` serves under `opts`' filters: a connection
+/// from cursor 1, which every instance clamps to its oldest event. `None` when nothing
+/// arrived within `wait`.
+pub async fn oldest_stamp(base: &RelayUrl, opts: &Options, wait: Duration) -> Option<u64> {
+    first(&opts.url(base, Some(1)), opts, wait).await.ok()?.1
 }
 
 /// Whether `base` still serves events from `cursor` (a stamp): `Ok(None)` when it does,
-/// `Ok(Some(oldest))` when it starts later (v2 says so; v1's first event is its oldest
-/// and well after the cursor), `Err` when it cannot be asked. A stream with nothing to
-/// send within `wait` is taken to serve the cursor (nothing can be missing from it).
+/// `Ok(Some(oldest))` with the stamp it starts at instead (v2 says `OutdatedCursor`; v1's
+/// first event is its oldest and well after the cursor), `Err` when it cannot be asked.
+/// A stream with nothing to send within `wait` is taken to serve the cursor (nothing can
+/// be missing from it).
 pub async fn serves_from(base: &RelayUrl, opts: &Options, cursor: u64, wait: Duration) -> Result<Option<u64>, String> {
     match first(&opts.url(base, Some(cursor)), opts, wait).await? {
-        None => Ok(None),
-        Some(First::Outdated) => Ok(Some(0)),
-        Some(First::Event(s)) if s <= cursor.saturating_add(CLAMP_SLACK_US) => Ok(None),
-        Some(First::Event(s)) => match oldest_stamp(base, opts, wait).await {
+        (_, None) => Ok(None),
+        (true, Some(s)) => Ok(Some(s)),
+        (false, Some(s)) if s <= cursor.saturating_add(CLAMP_SLACK_US) || opts.version == Version::V2 => Ok(None),
+        (false, Some(s)) => match oldest_stamp(base, opts, wait).await {
             Some(o) if o >= s => Ok(Some(s)),
             _ => Ok(None),
         },

@@ -243,6 +243,8 @@ impl Leader<'_, '_> {
         at: i64,
         target_ms: i64,
     ) -> Result<Result<Option<u64>, Refusal>, Stop> {
+        // `at` is the position on the instance left; the one switched to stamps the same
+        // events up to `FIREKEEPER_SWITCH_SKEW_MS` apart.
         let cx = self.cx;
         let from_us = u64::try_from(target_ms.max(0)).unwrap_or(0).saturating_mul(1000);
         let wait = cx.settings.client.connect_timeout;
@@ -257,35 +259,40 @@ impl Leader<'_, '_> {
                 );
                 Ok(Ok(Some(from_us)))
             }
-            Ok(Some(oldest)) if cx.settings.options.gap == GapPolicy::Live => {
+            Ok(Some(oldest)) => {
                 let oldest_ms = i64::try_from(oldest / 1000).unwrap_or(i64::MAX);
+                // Its window holds less than the overlap but reaches back past the
+                // position (by more than instances' stamps differ): no gap.
+                if oldest_ms.saturating_add(cx.skew_ms()) <= at {
+                    metrics::counter!(m::SWITCH_OVERLAP_SHORT).increment(1);
+                    tracing::warn!(
+                        relay = to.as_str(),
+                        cursor = oldest,
+                        "switch: the Jetstream instance's window holds less than the overlap but reaches back past the \
+                         position; starting at its oldest event"
+                    );
+                    return Ok(Ok(Some(oldest)));
+                }
+                if cx.settings.options.gap != GapPolicy::Live {
+                    return Ok(Err(Refusal::Gap {
+                        to,
+                        needed: rfc3339(at),
+                        oldest: rfc3339(oldest_ms),
+                        oldest_seq: oldest,
+                    }));
+                }
                 let gap = format!(
                     "{} instance: events from {} to {} are missing",
                     to.as_str(),
                     rfc3339(at),
                     rfc3339(oldest_ms)
                 );
-                tracing::error!(
-                    relay = to.as_str(),
-                    cursor = from_us,
-                    oldest,
-                    "accepted gap (gap policy `live`) on a Jetstream switch"
-                );
+                tracing::error!(relay = to.as_str(), oldest, "accepted gap (gap policy `live`) on a Jetstream switch");
                 metrics::counter!(m::GAPS, "reason" => "switch").increment(1);
                 cx.status.update(|s| s.last_gap = Some(gap));
                 self.gap_accepted("switch");
-                Ok(Ok(Some(from_us)))
+                Ok(Ok(Some(oldest)))
             }
-            Ok(Some(oldest)) => Ok(Err(Refusal::Gap {
-                to,
-                needed: rfc3339(target_ms),
-                oldest: if oldest == 0 {
-                    "after it (the instance said OutdatedCursor)".to_owned()
-                } else {
-                    rfc3339(i64::try_from(oldest / 1000).unwrap_or(i64::MAX))
-                },
-                oldest_seq: oldest,
-            })),
             Err(reason) => Ok(Err(Refusal::Probe { to, source: ProbeError::Failed { cursor: from_us, reason } })),
         }
     }
