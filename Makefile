@@ -36,6 +36,7 @@ bench: deps
 	$(CARGO) bench -p firekeeper --bench cluster
 	$(CARGO) bench -p firekeeper --bench giant
 	$(CARGO) bench -p firekeeper --bench shared
+	$(CARGO) bench -p firekeeper --bench jetstream
 
 chaos: deps
 	FK_SWITCH_CASES=20000 $(CARGO) nextest run -p consumer -E 'test(every_generated_switch)' --no-fail-fast

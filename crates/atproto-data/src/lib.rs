@@ -8,6 +8,7 @@
 //! - [`cid`]: atproto CIDs and their string forms.
 //! - [`car`]: a `CARv1` slice reader (commit `blocks`, whole repos).
 //! - [`frame`]: `subscribeRepos` frames decoded into borrowed structs, and [`MAX_SEQ`].
+//! - [`jetstream`]: Jetstream's JSON events (v1 and v2) and its zstd dictionaries.
 //! - [`json`]: records and frames in the atproto JSON data model.
 //! - [`capture`]: the capture file format (length-prefixed frames), read by `relay-sim`.
 //! - [`time`]: relay (RFC 3339) times as Unix milliseconds.

@@ -1,5 +1,7 @@
-//! `relay-sim --capture FILE [--listen ADDR] [--rate N] [--initial N] [--window-start SEQ] [--copies N]`:
-//! serve a capture file (repeated `N` times, renumbered) as a local relay until interrupted.
+//! `relay-sim --capture FILE [--listen ADDR] [--rate N] [--initial N] [--window-start SEQ] [--copies N]
+//! [--jetstream true]`: serve a capture file (repeated `N` times, renumbered) as a local relay, or
+//! with `--jetstream true` as a Jetstream instance (`/subscribe` and
+//! `/xrpc/network.bsky.jetstream.subscribeEvents`, plain or zstd), until interrupted.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,7 +11,7 @@ use relay_sim::{RelaySim, SimConfig, capture};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: relay-sim --capture FILE [--listen 127.0.0.1:2470] [--rate FRAMES_PER_S] [--initial N] [--window-start SEQ] [--copies N]"
+        "usage: relay-sim --capture FILE [--listen 127.0.0.1:2470] [--rate FRAMES_PER_S] [--initial N] [--window-start SEQ] [--copies N] [--jetstream true]"
     );
     ExitCode::from(2)
 }
@@ -19,6 +21,7 @@ async fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let (mut path, mut listen, mut cfg) = (None::<PathBuf>, "127.0.0.1:2470".to_owned(), SimConfig::default());
     let mut copies = 1usize;
+    let mut jetstream = false;
     while let Some(a) = args.next() {
         let Some(v) = args.next() else { return usage() };
         let ok = match a.as_str() {
@@ -34,6 +37,7 @@ async fn main() -> ExitCode {
             "--initial" => v.parse().map(|n| cfg.initial_head = Some(n)).is_ok(),
             "--window-start" => v.parse().map(|s| cfg.window_start = Some(s)).is_ok(),
             "--copies" => v.parse().map(|n| copies = n).is_ok_and(|()| copies > 0),
+            "--jetstream" => v.parse().map(|j| jetstream = j).is_ok(),
             _ => false,
         };
         if !ok {
@@ -55,17 +59,31 @@ async fn main() -> ExitCode {
         }
     };
     let n = frames.len();
-    let sim = match RelaySim::start_with(frames, cfg, addr).await {
+    let started = if jetstream {
+        let clock = relay_sim::jetstream::Clock { base_us: now_us(), ..relay_sim::jetstream::Clock::default() };
+        RelaySim::start_jetstream(&frames, &clock, cfg, addr).await
+    } else {
+        RelaySim::start_with(frames, cfg, addr).await
+    };
+    let sim = match started {
         Ok(s) => s,
         Err(e) => {
             eprintln!("relay-sim: cannot listen on {addr}: {e}");
             return ExitCode::from(1);
         }
     };
-    eprintln!("relay-sim: serving {n} frames from {} on {}", path.display(), sim.url());
+    let what = if jetstream { "as a Jetstream instance" } else { "as a relay" };
+    eprintln!("relay-sim: serving {n} frames from {} {what} on {}", path.display(), sim.url());
     tokio::select! {
         () = sim.wait() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
     ExitCode::SUCCESS
+}
+
+/// Now, Unix microseconds (a Jetstream instance stamps from its clock).
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(0))
 }
