@@ -20,6 +20,8 @@
 //! - **the downstream refused every write for a while** (a webhook receiver answering 401
 //!   or 400 to everything, Postgres refusing the sink's role): every event is stored as
 //!   itself, nothing is taken for a bad record;
+//! - **Jetstream as the input** (v2, compressed), the downstream restarting mid-stream:
+//!   every event stored as Jetstream's JSON, once where promised;
 //! - **a repo repaired from its PDS** (chain breaks; the large repo's 20,000 records in five
 //!   parts, the webhook's receiver dying in the middle of them): folding what the
 //!   downstream holds gives every repo's reference records (Postgres: its records table,
@@ -164,6 +166,15 @@ type Stored = (u64, String);
 /// by repo and seq.
 fn key_of(e: &serde_json::Value) -> String {
     let s = |k: &str| e[k].as_str().unwrap_or_default().to_owned();
+    // A Jetstream v2 event (Jetstream input): by repo and op, or repo and upstream time.
+    if let Some(kind) = e["$type"].as_str().and_then(|t| t.strip_prefix("network.bsky.jetstream.subscribeEvents#")) {
+        let inner = |k: &str| e[kind][k].as_str().unwrap_or_default().to_owned();
+        return match kind {
+            "commit" => format!("jet {kind} {} {} {} {}/{}", s("did"), s("rev"), s("operation"), s("collection"), s("rkey")),
+            "sync" => format!("jet {kind} {} {}", s("did"), inner("rev")),
+            _ => format!("jet {kind} {} {}", s("did"), inner("time")),
+        };
+    }
     match e["type"].as_str().unwrap_or_default() {
         t @ "#commit" => format!("{t} {} {}", s("repo"), s("rev")),
         t @ "#sync" => format!("{t} {} {}", s("did"), s("rev")),
@@ -704,6 +715,46 @@ async fn a_giant_snapshot_holds_back_only_its_own_repo() {
     folds_to_the_reference(Sink::Webhook, down.events().await);
 }
 
+/// Jetstream as the input (v2, compressed, 1,000 events a second), the downstream
+/// restarting in the middle: every event stored, once where the sink promises it, as
+/// Jetstream's own JSON.
+async fn jetstream_input(sink: Sink) {
+    let frames = testkit::fixture_frames();
+    let clock = relay_sim::jetstream::Clock::default();
+    let cfg = SimConfig { initial_head: Some(0), rate: Some(1000), ..SimConfig::default() };
+    let relay = RelaySim::start_jetstream(&frames, &clock, cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim");
+    let rows = relay_sim::jetstream::rows(&frames, &clock);
+    let dir = tmpdir(&format!("contract-jetstream-{sink:?}"));
+    let mut down = Downstream::start(sink, &dir).await;
+    let input = [("FIREKEEPER_INPUT", "jetstream"), ("FIREKEEPER_JETSTREAM_VERSION", "v2")];
+    let run = Run::start(&relay, &down, &input);
+    run.committed(rows[rows.len() / 3].stamp, "a third committed").await;
+    down.restart().await;
+    run.committed(rows[rows.len() - 1].stamp, "every event committed after the restart").await;
+    run.stop();
+    if sink == Sink::Null {
+        return;
+    }
+    let want: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(&r.v2).expect("JSON");
+            key_of(&v["payload"])
+        })
+        .collect();
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, k) in down.stored().await {
+        *counts.entry(k).or_default() += 1;
+    }
+    let lost: Vec<&String> = want.iter().filter(|w| !counts.contains_key(*w)).take(3).collect();
+    assert!(lost.is_empty(), "{sink:?}: lost {lost:?}");
+    assert_eq!(counts.len(), want.len(), "{sink:?}: nothing else");
+    if sink.exactly_once() {
+        let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).take(3).collect();
+        assert!(twice.is_empty(), "{sink:?}: stored twice {twice:?}");
+    }
+}
+
 macro_rules! contract {
     ($($name:ident: $scenario:ident($($arg:expr),*);)*) => {
         $(
@@ -746,4 +797,9 @@ contract! {
     repaired_webhook: a_repo_repaired_from_its_pds(Sink::Webhook);
     repaired_jetstream: a_repo_repaired_from_its_pds(Sink::JetStream);
     repaired_null: a_repo_repaired_from_its_pds(Sink::Null);
+    jetstream_input_jsonl_file: jetstream_input(Sink::JsonlFile);
+    jetstream_input_webhook: jetstream_input(Sink::Webhook);
+    jetstream_input_postgres: jetstream_input(Sink::Postgres);
+    jetstream_input_jetstream: jetstream_input(Sink::JetStream);
+    jetstream_input_null: jetstream_input(Sink::Null);
 }
