@@ -586,7 +586,16 @@ impl Config {
     #[must_use]
     pub fn summary(&self) -> String {
         format!(
-            "relay primary={} secondary={} lease={} cursor_store={:?} sink={} collections={:?} lanes={} http={}",
+            "input={} relay primary={} secondary={} lease={} cursor_store={:?} sink={} collections={:?} lanes={} http={}",
+            match &self.client.input {
+                relay_client::Input::Firehose => "firehose".to_owned(),
+                relay_client::Input::Jetstream(js) => format!(
+                    "jetstream({}, {} dids, {})",
+                    js.version.as_str(),
+                    js.dids.len(),
+                    if js.compress { "zstd" } else { "plain" }
+                ),
+            },
             self.relay.fingerprint(),
             self.relay_secondary.as_ref().map_or("none", RelayUrl::fingerprint),
             match self.lease_backend {

@@ -14,7 +14,7 @@ use relay_sim::jetstream::Clock;
 use relay_sim::{RelaySim, SimConfig};
 use testkit::http::http_get;
 use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait};
-use testkit::{RedisServer, WAIT, eventually, free_port, tmpdir};
+use testkit::{RedisServer, WAIT, assert_exactly_once, eventually, free_port, tmpdir};
 
 /// What an event is on every instance: (did, kind, and the op or the upstream time).
 type Key = (String, String, String);
@@ -81,15 +81,6 @@ fn got(paths: &[PathBuf]) -> BTreeMap<Key, (usize, Vec<String>)> {
         }
     }
     m
-}
-
-fn assert_exactly_once(got: &BTreeMap<Key, (usize, Vec<String>)>, want: &[Key]) {
-    let lost: Vec<_> = want.iter().filter(|k| !got.contains_key(*k)).take(5).collect();
-    let twice: Vec<_> = got.iter().filter(|(_, (n, _))| *n > 1).take(5).collect();
-    let lost_n = want.iter().filter(|k| !got.contains_key(*k)).count();
-    let twice_n = got.values().filter(|(n, _)| *n > 1).count();
-    assert!(lost.is_empty() && twice.is_empty(), "lost {lost_n} {lost:?}; twice {twice_n} {twice:?}");
-    assert_eq!(got.len(), want.len(), "nothing else");
 }
 
 async fn instance(clock: &Clock, cfg: SimConfig) -> RelaySim {
@@ -205,18 +196,38 @@ fn with_secondary(env: &mut HashMap<String, String>, secondary: &RelaySim) -> St
     http
 }
 
+/// A replica on two instances (the secondary keeping its latest `window` events), run
+/// until 40 % of the capture is delivered, the primary then taken down.
+struct Pair {
+    primary: RelaySim,
+    /// Kept alive with the pair (bind it when taking the pair apart).
+    _secondary: RelaySim,
+    files: [PathBuf; 1],
+    log: PathBuf,
+    http: String,
+    fk: std::process::Child,
+}
+
+impl Pair {
+    async fn at_40_percent(name: &str, version: &str, window: usize, want: &[Key]) -> Self {
+        let (primary, secondary) = instances(400, window).await;
+        let (mut env, out, log, _dir) = setup(name, &primary.url(), version, true);
+        let http = with_secondary(&mut env, &secondary);
+        let fk = firekeeper(&env, &[], &log);
+        let files = [out];
+        eventually("40 % delivered", WAIT, async || got(&files).len() >= want.len() * 2 / 5).await;
+        primary.handle().set_down(true);
+        Self { primary, _secondary: secondary, files, log, http, fk }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_between_instances_with_other_stamps_loses_and_repeats_nothing() {
     for version in ["v1", "v2"] {
         let want = want(version == "v2");
-        let (primary, secondary) = instances(400, 1200).await;
-        let (mut env, out, log, _dir) = setup(&format!("js-failover-{version}"), &primary.url(), version, true);
-        let http = with_secondary(&mut env, &secondary);
-        let mut fk = firekeeper(&env, &[], &log);
-        let files = [out.clone()];
+        let Pair { primary, _secondary, files, log, http, mut fk } =
+            Pair::at_40_percent(&format!("js-failover-{version}"), version, 1200, &want).await;
         let n = want.len();
-        eventually("40 % delivered", WAIT, async || got(&files).len() >= n * 2 / 5).await;
-        primary.handle().set_down(true);
         eventually("on the secondary", WAIT, async || status(&http).await["relay"] == "secondary").await;
         eventually("70 % delivered", WAIT, async || got(&files).len() >= n * 7 / 10).await;
         primary.handle().set_down(false);
@@ -244,14 +255,9 @@ async fn failover_between_instances_with_other_stamps_loses_and_repeats_nothing(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_gap_under_gap_fail_refuses_the_switch_and_loses_nothing() {
     let want = want(false);
-    let (primary, secondary) = instances(400, 10).await;
-    let (mut env, out, log, _dir) = setup("js-refused", &primary.url(), "v1", true);
-    let http = with_secondary(&mut env, &secondary);
-    let mut fk = firekeeper(&env, &[], &log);
-    let files = [out.clone()];
+    let Pair { primary, _secondary, files, http, mut fk, .. } =
+        Pair::at_40_percent("js-refused", "v1", 10, &want).await;
     let n = want.len();
-    eventually("40 % delivered", WAIT, async || got(&files).len() >= n * 2 / 5).await;
-    primary.handle().set_down(true);
     eventually("the refused switch in /status", WAIT, async || status(&http).await["refused_switch"].is_string()).await;
     let s = status(&http).await;
     assert_eq!((s["role"].as_str(), s["relay"].as_str()), (Some("leader"), Some("primary")), "{s}");

@@ -170,7 +170,9 @@ fn key_of(e: &serde_json::Value) -> String {
     if let Some(kind) = e["$type"].as_str().and_then(|t| t.strip_prefix("network.bsky.jetstream.subscribeEvents#")) {
         let inner = |k: &str| e[kind][k].as_str().unwrap_or_default().to_owned();
         return match kind {
-            "commit" => format!("jet {kind} {} {} {} {}/{}", s("did"), s("rev"), s("operation"), s("collection"), s("rkey")),
+            "commit" => {
+                format!("jet {kind} {} {} {} {}/{}", s("did"), s("rev"), s("operation"), s("collection"), s("rkey"))
+            }
             "sync" => format!("jet {kind} {} {}", s("did"), inner("rev")),
             _ => format!("jet {kind} {} {}", s("did"), inner("time")),
         };
@@ -722,7 +724,8 @@ async fn jetstream_input(sink: Sink) {
     let frames = testkit::fixture_frames();
     let clock = relay_sim::jetstream::Clock::default();
     let cfg = SimConfig { initial_head: Some(0), rate: Some(1000), ..SimConfig::default() };
-    let relay = RelaySim::start_jetstream(&frames, &clock, cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim");
+    let relay =
+        RelaySim::start_jetstream(&frames, &clock, cfg, "127.0.0.1:0".parse().expect("addr")).await.expect("sim");
     let rows = relay_sim::jetstream::rows(&frames, &clock);
     let dir = tmpdir(&format!("contract-jetstream-{sink:?}"));
     let mut down = Downstream::start(sink, &dir).await;

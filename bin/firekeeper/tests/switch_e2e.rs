@@ -18,7 +18,7 @@ use std::time::Duration;
 use relay_sim::{RelaySim, SimConfig};
 use testkit::http::http_get;
 use testkit::proc::{base_env, firekeeper, run_once, sigterm_and_wait};
-use testkit::{WAIT, eventually, free_port, tmpdir};
+use testkit::{WAIT, assert_exactly_once, eventually, free_port, tmpdir};
 
 type Key = (String, String, String);
 
@@ -108,15 +108,6 @@ async fn status(http: &str) -> serde_json::Value {
 
 async fn ready(http: &str) -> Option<u16> {
     http_get(http, "/readyz").await.map(|r| r.0)
-}
-
-fn assert_exactly_once(got: &BTreeMap<Key, (usize, Vec<String>)>, want: &[Key]) {
-    let lost: Vec<_> = want.iter().filter(|k| !got.contains_key(*k)).take(5).collect();
-    let twice: Vec<_> = got.iter().filter(|(_, (n, _))| *n > 1).take(5).collect();
-    let lost_n = want.iter().filter(|k| !got.contains_key(*k)).count();
-    let twice_n = got.values().filter(|(n, _)| *n > 1).count();
-    assert!(lost.is_empty() && twice.is_empty(), "lost {lost_n} {lost:?}; twice {twice_n} {twice:?}");
-    assert_eq!(got.len(), want.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -519,52 +519,109 @@ async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite:
     serve_firehose(ws, shared, query).await
 }
 
+/// One accepted connection: its two halves and what it watches.
+struct Conn {
+    tx: Tx,
+    rx: futures_util::stream::SplitStream<tokio_tungstenite::WebSocketStream<TcpStream>>,
+    faults: broadcast::Receiver<Fault>,
+    head: watch::Receiver<usize>,
+    stalled: watch::Receiver<bool>,
+    /// A Jetstream v2 connection: error faults are its JSON error frames.
+    v2: Option<bool>,
+}
+
+impl Conn {
+    /// Splits `ws` and counts it; `None` (closed) when the simulator was taken down
+    /// while it was being accepted (its close went out before this subscribed to the
+    /// faults and would be missed: the connection then lived on, "down").
+    async fn open(
+        ws: tokio_tungstenite::WebSocketStream<TcpStream>,
+        shared: &Shared,
+    ) -> Result<Option<Self>, tokio_tungstenite::tungstenite::Error> {
+        let (mut tx, rx) = ws.split();
+        let faults = shared.faults.subscribe();
+        if shared.down.load(Ordering::SeqCst) {
+            tx.close().await?;
+            return Ok(None);
+        }
+        let (head, stalled) = (shared.head.subscribe(), shared.stalled.subscribe());
+        shared.connects.fetch_add(1, Ordering::SeqCst);
+        Ok(Some(Self { tx, rx, faults, head, stalled, v2: None }))
+    }
+
+    /// Applies a fault; true when the connection is over.
+    async fn fault(&mut self, f: Fault) -> Result<bool, tokio_tungstenite::tungstenite::Error> {
+        match self.v2 {
+            Some(v2) => apply_jet(&mut self.tx, f, v2).await,
+            None => apply(&mut self.tx, f).await,
+        }
+    }
+
+    /// After a batch: lets faults and pings in; true when the connection is over.
+    async fn after_batch(&mut self) -> Result<bool, tokio_tungstenite::tungstenite::Error> {
+        self.tx.flush().await?;
+        tokio::task::yield_now().await;
+        match self.faults.try_recv() {
+            Ok(f) => self.fault(f).await,
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// Waits for a fault, a publish, a stall change or the client's end (faults first:
+    /// one sent before a publish reaches the client before its events); true when the
+    /// connection is over.
+    async fn wait(&mut self) -> Result<bool, tokio_tungstenite::tungstenite::Error> {
+        tokio::select! {
+            biased;
+            f = self.faults.recv() => match f {
+                Ok(f) => self.fault(f).await,
+                Err(broadcast::error::RecvError::Lagged(_)) => Ok(false),
+                Err(broadcast::error::RecvError::Closed) => Ok(true),
+            },
+            r = self.head.changed() => Ok(r.is_err()),
+            r = self.stalled.changed() => Ok(r.is_err()),
+            m = self.rx.next() => Ok(matches!(m, None | Some(Err(_) | Ok(Message::Close(_))))),
+        }
+    }
+}
+
 /// A connection to the simulator as a relay.
 async fn serve_firehose(
     ws: tokio_tungstenite::WebSocketStream<TcpStream>,
     shared: &Shared,
     query: Option<String>,
 ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
-    let (mut tx, mut rx) = ws.split();
-    let mut faults = shared.faults.subscribe();
-    // Taken down while this connection was being accepted: its close went out before the
-    // subscription above and would be missed (the connection then lived on, "down").
-    if shared.down.load(Ordering::SeqCst) {
-        return tx.close().await;
-    }
-    let mut head = shared.head.subscribe();
-    let mut stalled = shared.stalled.subscribe();
-    shared.connects.fetch_add(1, Ordering::SeqCst);
+    let Some(mut c) = Conn::open(ws, shared).await? else { return Ok(()) };
     let Ok(cursor) = parse_cursor(query.as_deref()) else {
-        tx.send(Message::Binary(error_frame("InvalidRequest", "cursor must be an integer"))).await?;
-        return tx.close().await;
+        c.tx.send(Message::Binary(error_frame("InvalidRequest", "cursor must be an integer"))).await?;
+        return c.tx.close().await;
     };
     shared.cursors.lock().expect("cursors").push(cursor);
 
     // Where to start in the log, decided without holding the lock across a send.
     let start = {
         let log = shared.log.lock().expect("log");
-        let h = *head.borrow();
+        let h = *c.head.borrow();
         let head_seq = h.checked_sub(1).map_or(0, |i| log.frames[i].0);
         match cursor {
             None => Start::At(h),
-            Some(c) if c > head_seq => Start::Future,
-            Some(c) => {
+            Some(cur) if cur > head_seq => Start::Future,
+            Some(cur) => {
                 let mut window = shared.cfg.window_start.unwrap_or(0).max(shared.trimmed.load(Ordering::SeqCst));
                 if let Some(n) = shared.cfg.window_len
                     && h > n
                 {
                     window = window.max(log.frames[h - n].0);
                 }
-                let from = log.frames[..h].partition_point(|(s, _)| *s <= c.max(window.saturating_sub(1)));
-                if c.saturating_add(1) < window { Start::Outdated(from) } else { Start::At(from) }
+                let from = log.frames[..h].partition_point(|(s, _)| *s <= cur.max(window.saturating_sub(1)));
+                if cur.saturating_add(1) < window { Start::Outdated(from) } else { Start::At(from) }
             }
         }
     };
     let mut next = match start {
         Start::At(i) => i,
         Start::Outdated(i) => {
-            tx.send(Message::Binary(info_frame(
+            c.tx.send(Message::Binary(info_frame(
                 "OutdatedCursor",
                 "Requested cursor exceeded limit. Possibly missing events",
             )))
@@ -572,48 +629,33 @@ async fn serve_firehose(
             i
         }
         Start::Future => {
-            tx.send(Message::Binary(error_frame("FutureCursor", "Cursor in the future."))).await?;
-            return tx.close().await;
+            c.tx.send(Message::Binary(error_frame("FutureCursor", "Cursor in the future."))).await?;
+            return c.tx.close().await;
         }
     };
 
     loop {
         // Send what is published, unless stalled.
-        if !*stalled.borrow() {
+        if !*c.stalled.borrow() {
             let batch: Vec<Bytes> = {
                 let log = shared.log.lock().expect("log");
-                let h = (*head.borrow()).min(log.frames.len());
+                let h = (*c.head.borrow()).min(log.frames.len());
                 let end = h.min(next + 256);
                 log.frames[next.min(end)..end].iter().map(|(_, f)| f.clone()).collect()
             };
             if !batch.is_empty() {
                 next += batch.len();
                 for f in batch {
-                    tx.feed(Message::Binary(f)).await?;
+                    c.tx.feed(Message::Binary(f)).await?;
                 }
-                tx.flush().await?;
-                // Let faults and pings in between batches.
-                tokio::task::yield_now().await;
-                if let Ok(f) = faults.try_recv()
-                    && apply(&mut tx, f).await?
-                {
+                if c.after_batch().await? {
                     return Ok(());
                 }
                 continue;
             }
         }
-        tokio::select! {
-            f = faults.recv() => match f {
-                Ok(f) => if apply(&mut tx, f).await? { return Ok(()) },
-                Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
-            },
-            r = head.changed() => if r.is_err() { return Ok(()) },
-            r = stalled.changed() => if r.is_err() { return Ok(()) },
-            m = rx.next() => match m {
-                None | Some(Err(_) | Ok(Message::Close(_))) => return Ok(()),
-                Some(Ok(_)) => {}
-            },
+        if c.wait().await? {
+            return Ok(());
         }
     }
 }
@@ -625,28 +667,20 @@ async fn serve_jet(
     rows: &[jetstream::Row],
     ask: Result<jetstream::Ask, String>,
 ) -> Result<(), tokio_tungstenite::tungstenite::Error> {
-    let (mut tx, mut rx) = ws.split();
-    let mut faults = shared.faults.subscribe();
-    if shared.down.load(Ordering::SeqCst) {
-        return tx.close().await;
-    }
-    let mut head = shared.head.subscribe();
-    let mut stalled = shared.stalled.subscribe();
-    shared.connects.fetch_add(1, Ordering::SeqCst);
+    let Some(mut c) = Conn::open(ws, shared).await? else { return Ok(()) };
     let mut ask = match ask {
         Ok(a) => a,
         Err(e) => {
-            tx.send(Message::Text(
-                String::from_utf8_lossy(&jetstream::error_frame("InvalidRequest", &e)).into_owned().into(),
-            ))
-            .await?;
-            return tx.close().await;
+            let frame = jetstream::error_frame("InvalidRequest", &e);
+            c.tx.send(Message::Text(String::from_utf8_lossy(&frame).into_owned().into())).await?;
+            return c.tx.close().await;
         }
     };
     shared.cursors.lock().expect("cursors").push(ask.cursor);
     let v2 = ask.version == Some(relay_client::jetstream::Version::V2);
+    c.v2 = Some(v2);
     let (mut next, outdated) = {
-        let h = (*head.borrow()).min(rows.len());
+        let h = (*c.head.borrow()).min(rows.len());
         let mut window = shared.cfg.window_start.unwrap_or(0).max(shared.trimmed.load(Ordering::SeqCst));
         if let Some(n) = shared.cfg.window_len
             && h > n
@@ -656,11 +690,11 @@ async fn serve_jet(
         ask.start(rows, h, window)
     };
     if outdated && v2 {
-        tx.send(Message::Text(String::from_utf8_lossy(&jetstream::info_outdated()).into_owned().into())).await?;
+        c.tx.send(Message::Text(String::from_utf8_lossy(&jetstream::info_outdated()).into_owned().into())).await?;
     }
     loop {
-        if !*stalled.borrow() {
-            let h = (*head.borrow()).min(rows.len());
+        if !*c.stalled.borrow() {
+            let h = (*c.head.borrow()).min(rows.len());
             let end = h.min(next + 256);
             if next < end {
                 for row in &rows[next..end] {
@@ -673,33 +707,17 @@ async fn serve_jet(
                     } else {
                         Message::Text(String::from_utf8_lossy(&frame).into_owned().into())
                     };
-                    tx.feed(msg).await?;
+                    c.tx.feed(msg).await?;
                 }
                 next = end;
-                tx.flush().await?;
-                tokio::task::yield_now().await;
-                if let Ok(f) = faults.try_recv()
-                    && apply_jet(&mut tx, f, v2).await?
-                {
+                if c.after_batch().await? {
                     return Ok(());
                 }
                 continue;
             }
         }
-        // Faults first: one sent before a publish reaches the client before its events.
-        tokio::select! {
-            biased;
-            f = faults.recv() => match f {
-                Ok(f) => if apply_jet(&mut tx, f, v2).await? { return Ok(()) },
-                Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
-            },
-            r = head.changed() => if r.is_err() { return Ok(()) },
-            r = stalled.changed() => if r.is_err() { return Ok(()) },
-            m = rx.next() => match m {
-                None | Some(Err(_) | Ok(Message::Close(_))) => return Ok(()),
-                Some(Ok(_)) => {}
-            },
+        if c.wait().await? {
+            return Ok(());
         }
     }
 }

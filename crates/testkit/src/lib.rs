@@ -159,6 +159,22 @@ pub fn sigstop(pid: u32) {
     }
 }
 
+/// What a downstream holds, by event key: how often each came, and from which relays.
+pub type Held<K> = std::collections::BTreeMap<K, (usize, Vec<String>)>;
+
+/// Every event of `want` held exactly once, and nothing else.
+///
+/// # Panics
+/// Naming the first lost and the first repeated events and how many of each.
+pub fn assert_exactly_once<K: Ord + std::fmt::Debug>(got: &Held<K>, want: &[K]) {
+    let lost: Vec<_> = want.iter().filter(|k| !got.contains_key(*k)).take(5).collect();
+    let twice: Vec<_> = got.iter().filter(|(_, (n, _))| *n > 1).take(5).collect();
+    let lost_n = want.iter().filter(|k| !got.contains_key(*k)).count();
+    let twice_n = got.values().filter(|(n, _)| *n > 1).count();
+    assert!(lost.is_empty() && twice.is_empty(), "lost {lost_n} {lost:?}; twice {twice_n} {twice:?}");
+    assert_eq!(got.len(), want.len(), "nothing else");
+}
+
 /// Asserts that no `getRepo` body spilled to disk (`.getrepo.*`) is left in `dir`.
 ///
 /// # Panics
