@@ -28,6 +28,9 @@ pub struct Row {
     pub v1: Bytes,
     /// The v2 frame (its `seq` is the row's index plus one).
     pub v2: Bytes,
+    /// The frames compressed (v1, v2), made on first use: an instance compresses each
+    /// event once for all its subscribers.
+    zstd: [std::sync::OnceLock<Bytes>; 2],
 }
 
 /// How an instance stamps the events: the n-th upstream event at `base_us + n *
@@ -184,6 +187,7 @@ pub fn rows(frames: &[Bytes], clock: &Clock) -> Vec<Row> {
                 kind: u.kind,
                 v1: Bytes::from(v1),
                 v2: Bytes::from(v2),
+                zstd: Default::default(),
             });
         }
     }
@@ -252,16 +256,18 @@ impl Ask {
     /// The frame of `row` for this connection, and whether it goes as binary.
     pub(crate) fn frame(&mut self, row: &Row) -> (Bytes, bool) {
         let version = self.version.unwrap_or_default();
-        let text = if version == Version::V1 { &row.v1 } else { &row.v2 };
-        if self.compress {
-            if self.z.is_none() {
-                self.z = Compressor::new(version).ok();
-            }
-            if let Some(z) = &mut self.z {
-                return (z.compress(text).map_or_else(|_| text.clone(), Bytes::from), true);
-            }
+        let (text, slot) = if version == Version::V1 { (&row.v1, &row.zstd[0]) } else { (&row.v2, &row.zstd[1]) };
+        if !self.compress {
+            return (text.clone(), false);
         }
-        (text.clone(), false)
+        if let Some(z) = slot.get() {
+            return (z.clone(), true);
+        }
+        if self.z.is_none() {
+            self.z = Compressor::new(version).ok();
+        }
+        let z = self.z.as_mut().and_then(|z| z.compress(text).ok()).map_or_else(|| text.clone(), Bytes::from);
+        (slot.get_or_init(|| z).clone(), true)
     }
 
     /// Where the connection starts among `rows[..head]` given the window's oldest stamp:
