@@ -157,9 +157,11 @@ async fn until_error(sub: &mut Subscription) -> (usize, SubscribeError) {
 async fn bad_frames_stop_under_fail_and_are_skipped_under_skip() {
     let rows = relay_sim::jetstream::rows(&testkit::fixture_frames(), &Clock::default());
     let on_v1 = v1_rows(&rows);
-    // An event of a kind this version does not know, stamped just after the fifth.
+    // An event of a kind this version does not know, stamped just after the fifth; and
+    // one whose stamp is forged far ahead (skipping it must not move the cursor there).
     let unknown = format!(r#"{{"did":"did:plc:a","time_us":{},"kind":"labels"}}"#, rows[on_v1[4]].stamp + 1);
-    for what in ["{not json", &unknown, "zstd", "huge"] {
+    let forged = r#"{"did":"did:plc:a","time_us":9000000000000000,"kind":"labels"}"#;
+    for what in ["{not json", &unknown, forged, "zstd", "huge"] {
         for policy in [BadFramePolicy::Fail, BadFramePolicy::Skip] {
             let relay = sim(SimConfig { initial_head: Some(on_v1[4] + 1), ..SimConfig::default() }).await;
             let ctl = relay.handle();
@@ -206,6 +208,7 @@ async fn bad_frames_stop_under_fail_and_are_skipped_under_skip() {
                 .await
                 .expect("the stream goes on");
                 assert!(saw_bad || what == "huge", "{what}: the skip is reported");
+                assert!(sub.cursor() < Some(9_000_000_000_000_000), "{what}: a skipped frame's stamp is not believed");
             }
         }
     }

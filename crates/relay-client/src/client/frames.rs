@@ -106,15 +106,23 @@ impl Subscription {
         }
     }
 
-    /// A Jetstream frame that does not decode. With its stamp known it goes through the
-    /// bad-frame policy as a firehose frame with a seq does; without, it may still have
-    /// been an event, so the `fail` policy stops before it too.
+    /// A Jetstream frame that does not decode. Under `skip` it is counted and stepped
+    /// over **without moving the cursor**: the next good event moves it, and a stamp
+    /// read from a frame that is bad anyway is not believed (a forged one far ahead
+    /// would have every later event dropped as going backwards). Under `fail` one with
+    /// its stamp known goes through the policy as a firehose frame with a seq does;
+    /// without, it may still have been an event, so the stream stops before it too.
     fn bad_jet_frame(&mut self, stamp: Option<u64>, error: DecodeError) -> Result<Option<Item>, SubscribeError> {
-        if stamp.is_some() || self.cfg.bad_frame == BadFramePolicy::Skip {
+        let relay = self.active;
+        if self.cfg.bad_frame == BadFramePolicy::Skip {
+            self.stats.bad_frames += 1;
+            tracing::error!(relay = relay.as_str(), stamp, reason = error.reason(), %error, "undecodable Jetstream frame skipped under the skip policy: this event is lost");
+            return Ok(Some(Item::Notice(Notice::BadFrame { relay, seq: stamp, error })));
+        }
+        if stamp.is_some() {
             return self.bad_frame(stamp, error);
         }
         self.stats.bad_frames += 1;
-        let relay = self.active;
         tracing::error!(relay = relay.as_str(), reason = error.reason(), %error, cursor = self.cursor, "undecodable Jetstream frame: stopping before it");
         self.link = Link::Stopped;
         Err(SubscribeError::BadJetstreamFrame { relay, after: self.cursor, error })
