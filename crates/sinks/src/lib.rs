@@ -616,11 +616,35 @@ async fn mirror_commits(
     use std::collections::HashMap;
     let mut last: HashMap<(String, String), Option<RecordRow>> = HashMap::new();
     for (i, e) in batch.iter().enumerate() {
-        if e.invalid().is_some() || !matches!(e.message(), Message::Commit(_)) {
+        if e.invalid().is_some() {
             continue;
         }
+        let jet = match e.message() {
+            Message::Commit(_) => None,
+            Message::Jet(j) => match j.commit {
+                Some(op) => Some((j.did, op)),
+                None => continue,
+            },
+            _ => continue,
+        };
         let Some(body) = rows.json[i].or(rows.text[i]) else { continue };
         let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else { continue };
+        if let Some((did, op)) = jet {
+            // One op of a Jetstream commit: its record is in the event (v1 under `commit`).
+            let record = if v["commit"].is_object() { &v["commit"]["record"] } else { &v["record"] };
+            let row = match op.action {
+                atproto_data::frame::Action::Delete => None,
+                _ => Some((
+                    op.collection.to_owned(),
+                    op.rkey.to_owned(),
+                    op.cid.unwrap_or_default().to_owned(),
+                    op.rev.to_owned(),
+                    record.to_string(),
+                )),
+            };
+            last.insert((did.to_owned(), format!("{}/{}", op.collection, op.rkey)), row);
+            continue;
+        }
         let (Some(repo), Some(rev)) = (v["repo"].as_str(), v["rev"].as_str()) else { continue };
         for op in v["ops"].as_array().into_iter().flatten() {
             let Some((collection, rkey)) = op["path"].as_str().and_then(|p| p.split_once('/')) else { continue };
