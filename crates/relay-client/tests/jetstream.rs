@@ -263,3 +263,16 @@ async fn a_cursor_older_than_the_window_is_a_gap_on_both_wires() {
         assert!(got[0].0 > window + 1_000_000, "{version:?}: the first event is well after the cursor");
     }
 }
+
+#[tokio::test]
+async fn a_retired_v2_dictionary_falls_back_to_plain_frames_and_loses_nothing() {
+    let rows = relay_sim::jetstream::rows(&testkit::fixture_frames(), &Clock::default());
+    let want = keys_of(&rows, Version::V2);
+    // The instance knows another dictionary: it refuses the shipped one before the upgrade.
+    let s = sim(SimConfig { v2_dictionary: Some(99), ..SimConfig::default() }).await;
+    let opts = Options { version: Version::V2, compress: true, ..Options::default() };
+    let mut sub = Subscription::new(cfg(opts), RelayUrl::parse(&s.url()).expect("url"), None);
+    sub.start(RelayRole::Primary, Some(Clock::default().base_us));
+    assert_eq!(read(&mut sub, want.len()).await, want, "every event, uncompressed");
+    assert_eq!(s.handle().connects(), 1, "one refused handshake, then one connection");
+}

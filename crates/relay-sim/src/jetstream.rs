@@ -310,6 +310,15 @@ fn url_decode(v: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The dictionary id a v2 request asks for when it is not `known`.
+pub(crate) fn unknown_dictionary(path: &str, query: Option<&str>, known: u32) -> Option<u32> {
+    if !path.ends_with(relay_client::jetstream::V2_PATH) {
+        return None;
+    }
+    let id = query?.split('&').find_map(|p| p.strip_prefix("zstdDictionary="))?.parse().ok()?;
+    (id != known).then_some(id)
+}
+
 /// The v2 `#info OutdatedCursor` frame.
 #[must_use]
 pub fn info_outdated() -> Bytes {

@@ -59,6 +59,9 @@ pub struct SimConfig {
     /// The backfill window holds only the latest this many published events (a relay
     /// that keeps hours, not everything); older cursors get `OutdatedCursor`.
     pub window_len: Option<usize>,
+    /// As a Jetstream instance: the v2 zstd dictionary it knows (another id is refused
+    /// before the upgrade with HTTP 400 `UnknownZstdDictionary`); `None`: the shipped one.
+    pub v2_dictionary: Option<u32>,
 }
 
 struct Log {
@@ -501,11 +504,20 @@ enum Start {
 async fn serve(tcp: TcpStream, shared: &Shared) -> Result<(), tokio_tungstenite::tungstenite::Error> {
     let mut query = None;
     let mut path = String::new();
+    let known = shared.cfg.v2_dictionary.unwrap_or(relay_client::jetstream::DICT_V2_ID);
+    let jet = shared.jet.is_some();
     // The callback's signature is tungstenite's: its error type is the HTTP response.
     #[allow(clippy::result_large_err)]
     let ws = tokio_tungstenite::accept_hdr_async(tcp, |req: &Request, resp: Response| {
         query = req.uri().query().map(str::to_owned);
         req.uri().path().clone_into(&mut path);
+        if jet && let Some(id) = jetstream::unknown_dictionary(req.uri().path(), query.as_deref(), known) {
+            let body =
+                format!(r#"{{"error":"UnknownZstdDictionary","message":"unknown dictionary {id}; current {known}"}}"#);
+            let mut refused = tokio_tungstenite::tungstenite::handshake::server::ErrorResponse::new(Some(body));
+            *refused.status_mut() = tokio_tungstenite::tungstenite::http::StatusCode::BAD_REQUEST;
+            return Err(refused);
+        }
         Ok(resp)
     })
     .await?;

@@ -298,9 +298,38 @@ impl Subscription {
                 tracing::info!(relay = relay.as_str(), cursor = self.cursor, "connected to relay");
                 self.queue.push_back(Item::Notice(Notice::Connected { relay, cursor: self.cursor }));
             }
-            Ok(Err(e)) => self.fail(ConnError::Connect(describe(&e))),
+            Ok(Err(e)) => {
+                if self.retired_dictionary(&e) {
+                    return;
+                }
+                self.fail(ConnError::Connect(describe(&e)));
+            }
             Err(_) => self.fail(ConnError::ConnectTimeout(self.cfg.connect_timeout)),
         }
+    }
+
+    /// A v2 instance refused the shipped zstd dictionary (`UnknownZstdDictionary`: it
+    /// retired it): the subscription goes on uncompressed, at once, and says so. True when
+    /// that was the refusal.
+    fn retired_dictionary(&mut self, e: &tungstenite::Error) -> bool {
+        let tungstenite::Error::Http(resp) = e else { return false };
+        let Some(j) = self.jet.as_mut().filter(|j| j.opts.compress && j.opts.version == crate::jetstream::Version::V2)
+        else {
+            return false;
+        };
+        let body = resp.body().as_deref().map(String::from_utf8_lossy).unwrap_or_default();
+        if resp.status().as_u16() != 400 || !body.contains("UnknownZstdDictionary") {
+            return false;
+        }
+        j.opts.compress = false;
+        tracing::warn!(
+            relay = self.active.as_str(),
+            dictionary = crate::jetstream::DICT_V2_ID,
+            "the Jetstream instance no longer knows the zstd dictionary firekeeper ships: reading it uncompressed \
+             (set FIREKEEPER_JETSTREAM_COMPRESS=false to say so, or upgrade for the new dictionary)"
+        );
+        self.link = Link::Down { retry_at: None };
+        true
     }
 
     /// The URL to open on `relay` from `cursor`: the firehose's or the Jetstream
