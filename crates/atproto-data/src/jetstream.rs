@@ -74,6 +74,9 @@ pub struct Event<'a> {
     pub upstream_time: Option<&'a str>,
     /// The event object exactly as received (v1: the frame; v2: the payload).
     pub json: &'a str,
+    /// [`Event::content_key`], hashed once at decode (the client, the term's memory and
+    /// the sinks all name the event by it).
+    key: u64,
 }
 
 /// A commit event's op.
@@ -96,6 +99,16 @@ impl Event<'_> {
     /// collection, rkey, action), the other kinds by (kind, did, upstream time, rev).
     #[must_use]
     pub fn content_key(&self) -> u64 {
+        self.key
+    }
+
+    /// The event with its content key computed.
+    fn keyed(mut self) -> Self {
+        self.key = self.hash_content();
+        self
+    }
+
+    fn hash_content(&self) -> u64 {
         let mut h = Fnv::default();
         h.put(self.kind.as_str());
         h.put(self.did);
@@ -205,15 +218,10 @@ pub fn decode_v1(text: &[u8]) -> Result<Frame<'_>, DecodeError> {
         Kind::Account => v.account.ok_or(DecodeError::MissingField { kind: "account", field: "account" })?.time,
         _ => None,
     };
-    Ok(Frame::Message(Message::Jet(Event {
-        stamp: v.time_us,
-        did: v.did,
-        kind,
-        commit,
-        rev: None,
-        upstream_time: upstream,
-        json: s,
-    })))
+    Ok(Frame::Message(Message::Jet(
+        Event { stamp: v.time_us, did: v.did, kind, commit, rev: None, upstream_time: upstream, json: s, key: 0 }
+            .keyed(),
+    )))
 }
 
 #[derive(Deserialize)]
@@ -312,15 +320,19 @@ pub fn decode_v2(text: &[u8]) -> Result<Frame<'_>, DecodeError> {
         Kind::Account => (None, Some(p.account.ok_or_else(|| field("account"))?)),
         _ => (None, Some(p.sync.ok_or_else(|| field("sync"))?)),
     };
-    Ok(Frame::Message(Message::Jet(Event {
-        stamp,
-        did,
-        kind,
-        commit,
-        rev: upstream.as_ref().and_then(|u| u.rev),
-        upstream_time: upstream.and_then(|u| u.time),
-        json,
-    })))
+    Ok(Frame::Message(Message::Jet(
+        Event {
+            stamp,
+            did,
+            kind,
+            commit,
+            rev: upstream.as_ref().and_then(|u| u.rev),
+            upstream_time: upstream.and_then(|u| u.time),
+            json,
+            key: 0,
+        }
+        .keyed(),
+    )))
 }
 
 /// Decodes a frame of `version`.

@@ -189,8 +189,13 @@ impl Memory {
         self.shards[lane % self.shards.len()].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn once_key(&self, kind: Kind, did: &str, time: &str) -> u64 {
-        self.keys.hash_one((kind.as_str(), did, time))
+    /// Where an event remembered once (identity, account, a Jetstream op) is kept.
+    fn once_of(&self, k: Key<'_>) -> Option<u64> {
+        match k {
+            Key::Once { kind, did, time } => Some(self.keys.hash_one((kind.as_str(), did, time))),
+            Key::Content { did, key } => Some(self.keys.hash_one((did, key))),
+            _ => None,
+        }
     }
 
     /// Records an event handed over (as itself) in lane `lane`; a commit whose `since`
@@ -218,14 +223,10 @@ impl Memory {
                 }
                 None
             }
-            Key::Once { kind, did, time } => {
-                let key = self.once_key(kind, did, time);
-                self.shard(lane).once.put(key, ());
-                None
-            }
-            Key::Content { did, key } => {
-                let key = self.keys.hash_one((did, key));
-                self.shard(lane).once.put(key, ());
+            Key::Once { .. } | Key::Content { .. } => {
+                if let Some(key) = self.once_of(k) {
+                    self.shard(lane).once.put(key, ());
+                }
                 None
             }
             Key::Other => None,
@@ -257,14 +258,10 @@ impl Memory {
                     _ => Judged::Unknown,
                 }
             }
-            Key::Once { kind, did, time } => {
-                let key = self.once_key(kind, did, time);
-                if self.shard(lane).once.peek(key).is_some() { Judged::Recorded } else { Judged::Unknown }
-            }
-            Key::Content { did, key } => {
-                let key = self.keys.hash_one((did, key));
-                if self.shard(lane).once.peek(key).is_some() { Judged::Recorded } else { Judged::Unknown }
-            }
+            Key::Once { .. } | Key::Content { .. } => match self.once_of(k) {
+                Some(key) if self.shard(lane).once.peek(key).is_some() => Judged::Recorded,
+                _ => Judged::Unknown,
+            },
             Key::Other => Judged::Delivered,
         }
     }

@@ -163,10 +163,9 @@ impl Leader<'_, '_> {
     /// lasts and the memory proves `m` was handed over already.
     fn is_handed_over(&mut self, seq: u64, lane: usize, m: &Message<'_>) -> bool {
         let dedupes = self.cx.settings.secondary.is_some();
-        // A Jetstream stamp is the instance's own clock and names the position exactly.
-        let stamp_ms = m.stamp().map(|us| i64::try_from(us / 1000).unwrap_or(i64::MAX / 4));
-        let time = if dedupes || seq.is_multiple_of(64) || stamp_ms.is_some() {
-            stamp_ms.or_else(|| m.time().and_then(time_ms))
+        // A Jetstream stamp is the instance's own clock: the position, read without parsing.
+        let time = if dedupes || seq.is_multiple_of(64) {
+            m.stamp().map(|us| i64::try_from(us / 1000).unwrap_or(i64::MAX / 4)).or_else(|| m.time().and_then(time_ms))
         } else {
             None
         };

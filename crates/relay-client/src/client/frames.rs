@@ -16,8 +16,10 @@ use crate::item::{Item, Notice, OwnedFrame};
 enum Placed {
     /// Not delivered yet.
     New,
-    /// Delivered already, or behind the cursor: what to return instead.
-    Old(Option<Item>),
+    /// Delivered already at the cursor's stamp.
+    Delivered,
+    /// Behind the cursor (the last delivered stamp).
+    Behind(u64),
 }
 
 impl Subscription {
@@ -135,11 +137,11 @@ impl Subscription {
         let last = self.cursor;
         let Some(j) = self.jet.as_mut() else { return Placed::New };
         match last {
-            Some(l) if seq < l => return Placed::Old(self.not_after(l, seq)),
+            Some(l) if seq < l => return Placed::Behind(l),
             Some(l) if seq == l => {
                 if j.boundary.contains(&key) {
                     self.stats.duplicates += 1;
-                    return Placed::Old(None);
+                    return Placed::Delivered;
                 }
             }
             _ => j.boundary.clear(),
@@ -195,8 +197,10 @@ impl Subscription {
             Frame::Error(e) => return self.on_error_frame(e.error, e.message),
             Frame::Message(Message::Jet(e)) => {
                 let (seq, key) = (e.stamp, e.content_key());
-                if let Placed::Old(instead) = self.place_jet(seq, key) {
-                    return Ok(instead);
+                match self.place_jet(seq, key) {
+                    Placed::New => {}
+                    Placed::Delivered => return Ok(None),
+                    Placed::Behind(last) => return Ok(self.not_after(last, seq)),
                 }
                 self.cursor = Some(seq);
                 self.stats.frames += 1;
